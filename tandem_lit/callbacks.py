@@ -1,0 +1,148 @@
+"""Run-folder plumbing: atomic checkpoints, the end-of-run report (plots, summary), artifacts."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.cli import SaveConfigCallback
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+log = logging.getLogger(__name__)
+
+# Curves worth a picture, each a list of metric names drawn on one axis.
+PLOTS = {
+    "jargon_rate": ["eval/senior_jargon_rate", "eval/tandem_jargon_rate", "eval/junior_jargon_rate"],
+    "accuracy": ["eval/senior_accuracy", "eval/tandem_accuracy", "eval/junior_accuracy"],
+    "train_reward": ["train/reward_mean", "train/accuracy"],
+    "junior_share": ["train/junior_token_share", "eval/tandem_junior_token_share"],
+}
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Write the checkpoint beside its target, fsync, then rename over it: a crash leaves either
+    the old file or the new one, never a torn file (Lightning's own path may copy from /tmp)."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any = None) -> None:
+        if storage_options is not None:
+            raise TypeError("AtomicCheckpointIO takes no storage_options")
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+        try:
+            with open(partial, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(partial, path)
+        finally:
+            partial.unlink(missing_ok=True)
+
+
+def mlflow_loggers(trainer: L.Trainer) -> list:
+    from lightning.pytorch.loggers import MLFlowLogger
+
+    return [lg for lg in trainer.loggers if isinstance(lg, MLFlowLogger)]
+
+
+def log_artifact(trainer: L.Trainer, path: Path, folder: str | None = None) -> None:
+    for logger in mlflow_loggers(trainer):
+        logger.experiment.log_artifact(logger.run_id, str(path), folder)
+
+
+class SaveConfigToRun(SaveConfigCallback):
+    """Save the resolved config as ``config.yaml`` in the run folder and as an MLflow artifact.
+
+    (Lightning's version writes to ``trainer.log_dir``, which an MLflow logger with a database
+    store does not have.)
+    """
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self.already_saved or not trainer.is_global_zero:
+            return
+        path = Path(trainer.default_root_dir) / self.config_filename
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.parser.save(self.config, str(path), skip_none=False, overwrite=True, multifile=self.multifile)
+        log_artifact(trainer, path)
+        self.already_saved = True
+
+
+def plot_history(history: list[dict[str, float]], folder: Path) -> list[Path]:
+    """One PNG per curve group in PLOTS, from the module's metric history."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, metrics in PLOTS.items():
+        series = {m: [(row["step"], row[m]) for row in history if m in row] for m in metrics}
+        series = {m: points for m, points in series.items() if points}
+        if not series:
+            continue
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+        for metric, points in series.items():
+            steps, values = zip(*sorted(points))
+            ax.plot(steps, values, marker="o" if len(points) < 40 else None, markersize=3, label=metric)
+        ax.set_xlabel("optimiser updates")
+        ax.set_ylabel(name.replace("_", " "))
+        if "accuracy" in name or "rate" in name or "share" in name:
+            ax.set_ylim(-0.03, 1.03)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = folder / f"{name}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def first_and_last(history: list[dict[str, float]], metric: str) -> tuple[float, float] | None:
+    values = [row[metric] for row in history if metric in row]
+    return (values[0], values[-1]) if values else None
+
+
+class RunReport(L.Callback):
+    """At the end of fit: plots, ``summary.json``, a printed summary, MLflow artifacts."""
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.started = time.perf_counter()
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.is_global_zero:
+            return
+        folder = Path(trainer.default_root_dir)
+        history = getattr(pl_module, "history", [])
+        plots = plot_history(history, folder / "plots")
+        summary: dict[str, Any] = {
+            "updates": trainer.global_step,
+            "wall_seconds": round(time.perf_counter() - self.started, 1),
+            "run_folder": str(folder.resolve()),
+        }
+        for metric in sorted({m for row in history for m in row if m.startswith("eval/")}):
+            span = first_and_last(history, metric)
+            summary[metric] = {"first": round(span[0], 4), "last": round(span[1], 4)}
+        (folder / "summary.json").write_text(json.dumps(summary, indent=2))
+        print(format_summary(summary))
+        for path in plots:
+            log_artifact(trainer, path, "plots")
+        for name in ("summary.json", "completions.jsonl"):
+            if (folder / name).exists():
+                log_artifact(trainer, folder / name)
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    lines = [f"tandem-lit: {summary['updates']} updates in {summary['wall_seconds']:.0f} s"]
+    for metric, span in summary.items():
+        if isinstance(span, dict):
+            lines.append(f"  {metric:<36} {span['first']:.3f} -> {span['last']:.3f}")
+    lines.append(f"  run folder: {summary['run_folder']}")
+    return "\n".join(lines)

@@ -1,0 +1,97 @@
+"""The ``tandem-lit`` command: LightningCLI over TandemModule and a PromptDataModule.
+
+    tandem-lit fit  --config configs/demo.yaml
+    tandem-lit test --config configs/eval/math_handoff.yaml
+    tandem-lit fit  --config configs/gsm8k_tiny.yaml --print_config
+
+Component classes are chosen in YAML by ``class_path``; importing the component packages here
+lets short names (``GRPO``, ``WordHandoff``, ``GSM8KVerifier``) resolve. Everything a run writes
+(MLflow store, checkpoints, plots, completions, config) goes under ``trainer.default_root_dir``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+from jsonargparse import Namespace
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+import tandem_lit.data  # noqa: F401  (short class_path names)
+import tandem_lit.objectives  # noqa: F401
+import tandem_lit.rollout  # noqa: F401
+import tandem_lit.verifiers  # noqa: F401
+from tandem_lit.callbacks import AtomicCheckpointIO, RunReport, SaveConfigToRun
+from tandem_lit.data.base import PromptDataModule
+from tandem_lit.module import TandemModule
+
+TRAINER_DEFAULTS = {
+    "default_root_dir": "runs/default",
+    "max_steps": 100,
+    "log_every_n_steps": 1,
+    "num_sanity_val_steps": 0,
+    "check_val_every_n_epoch": None,
+    "val_check_interval": 25,
+    "devices": 1,
+}
+
+
+class TandemCLI(LightningCLI):
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.set_defaults({"checkpoint.save_last": True, "checkpoint.save_top_k": 0, "checkpoint.every_n_train_steps": 50})
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        root = Path(config.trainer.default_root_dir).expanduser().resolve()
+        config.trainer.default_root_dir = str(root)
+        if "checkpoint" in config and config.checkpoint.dirpath is None:
+            config.checkpoint.dirpath = str(root / "checkpoints")
+        if config.trainer.logger is None:  # not set by the user: a local MLflow store in the run folder
+            root.mkdir(parents=True, exist_ok=True)
+            config.trainer.logger = Namespace(
+                class_path="lightning.pytorch.loggers.MLFlowLogger",
+                init_args=Namespace(
+                    experiment_name="tandem-lit",
+                    tracking_uri=f"sqlite:///{root / 'mlflow.db'}",
+                    artifact_location=(root / "mlartifacts").as_uri(),
+                    run_name=root.name,
+                ),
+            )
+
+    def instantiate_trainer(self, **kwargs):
+        kwargs.setdefault("callbacks", [])
+        trainer = super().instantiate_trainer(**kwargs)
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        if not any(isinstance(c, RunReport) for c in trainer.callbacks):
+            trainer.callbacks.append(RunReport())
+        return trainer
+
+
+def build_cli(args: list[str] | None = None) -> TandemCLI:
+    """Parse ``args`` (default: the command line) and run the subcommand; returns the CLI object
+    (``.trainer``, ``.model``, ``.datamodule``) for programmatic use."""
+    warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")  # the frozen junior, on purpose
+    return TandemCLI(
+        TandemModule,
+        PromptDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        save_config_callback=SaveConfigToRun,
+        save_config_kwargs={"overwrite": True},
+        trainer_defaults=TRAINER_DEFAULTS,
+        args=args,
+        auto_configure_optimizers=False,
+    )
+
+
+def main(args: list[str] | None = None) -> None:
+    """The ``tandem-lit`` console command; tests call ``main(args=[...])``."""
+    build_cli(args)
+
+
+if __name__ == "__main__":
+    main()

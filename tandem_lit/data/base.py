@@ -1,0 +1,188 @@
+"""PromptDataModule: serves batches of prompt rows.
+
+A row is a dict with a ``prompt`` (the user's text; the module applies the tokenizer's chat
+template when configured) plus the columns the verifier needs (``answer``, ...). Batches are
+plain lists of rows. The training order is a seeded shuffle per epoch and resumes exactly: the
+loader's position counts batches the module has finished, not batches prefetched.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from abc import abstractmethod
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning as L
+
+Split = Literal["train", "val", "test"]
+
+
+class PromptRows(list):
+    """One batch of rows, tagged with where it came from so the module can mark it consumed."""
+
+    def __init__(self, rows: list[dict[str, Any]], source: SeededBatches | None = None, epoch: int = 0, index: int = 0):
+        super().__init__(rows)
+        self.source = source
+        self.epoch = epoch
+        self.index = index
+
+    def mark_consumed(self) -> None:
+        if self.source is not None:
+            self.source.consumed(self)
+
+
+class SeededBatches:
+    """Batches of rows in a seeded order, reshuffled each epoch; a resumable training loader.
+
+    Lightning saves ``state_dict()`` in checkpoints and calls ``load_state_dict`` before it
+    iterates again, so a resumed run sees exactly the batches the uninterrupted run would have.
+    """
+
+    def __init__(self, rows: list[dict[str, Any]], batch_size: int, seed: int, shuffle: bool = True):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if len(rows) < batch_size:
+            raise ValueError(f"the training split has {len(rows)} rows, fewer than one batch of {batch_size}")
+        self.rows = rows
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.position = 0  # batches of this epoch the module has finished
+
+    def __len__(self) -> int:
+        return len(self.rows) // self.batch_size  # the last partial batch is dropped
+
+    def order(self, epoch: int) -> list[int]:
+        index = list(range(len(self.rows)))
+        if self.shuffle:
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(index)
+        return index
+
+    def __iter__(self) -> Iterator[PromptRows]:
+        epoch, start = self.epoch, self.position
+        if start >= len(self):  # the previous epoch was finished: begin the next one
+            epoch, start = epoch + 1, 0
+        order = self.order(epoch)
+        for b in range(start, len(self)):
+            picked = order[b * self.batch_size : (b + 1) * self.batch_size]
+            yield PromptRows([self.rows[i] for i in picked], self, epoch, b)
+
+    def consumed(self, batch: PromptRows) -> None:
+        self.epoch, self.position = batch.epoch, batch.index + 1
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position, "rows": len(self.rows), "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state.get("rows") != len(self.rows) or state.get("seed") != self.seed:
+            raise ValueError(
+                f"the checkpoint's training data ({state.get('rows')} rows, seed {state.get('seed')}) differs from "
+                f"this run's ({len(self.rows)} rows, seed {self.seed}); resume with the same data settings"
+            )
+        self.epoch, self.position = state["epoch"], state["position"]
+
+
+class EvalBatches:
+    """Consecutive batches of an evaluation split (not a list: Lightning reads a list of loaders
+    as several dataloaders)."""
+
+    def __init__(self, rows: list[dict[str, Any]], batch_size: int):
+        self.batches = [PromptRows(rows[i : i + batch_size]) for i in range(0, len(rows), batch_size)]
+
+    def __iter__(self) -> Iterator[PromptRows]:
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+class PromptDataModule(L.LightningDataModule):
+    """Base class: subclasses implement ``load_split`` returning rows with a ``prompt``.
+
+    Args:
+        batch_size: Prompts per training step (each gets ``sampling.n`` rollouts).
+        eval_batch_size: Prompts per validation/test batch (default: batch_size).
+        seed: Seed of the training order and of held-out slices.
+    """
+
+    def __init__(self, batch_size: int = 8, eval_batch_size: int | None = None, seed: int = 0):
+        super().__init__()
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size or batch_size
+        self.seed = seed
+        self._rows: dict[str, list[dict[str, Any]]] = {}
+        self._train_batches: SeededBatches | None = None
+
+    @abstractmethod
+    def load_split(self, split: Split) -> list[dict[str, Any]]:
+        """All rows of one split, each with a ``prompt`` string and the verifier's columns."""
+
+    def rows(self, split: Split) -> list[dict[str, Any]]:
+        if split not in self._rows:
+            rows = self.load_split(split)
+            for i, row in enumerate(rows[:1]):
+                if "prompt" not in row:
+                    raise KeyError(f"{type(self).__name__} {split} row {i} has no 'prompt' (fields: {sorted(row)})")
+            self._rows[split] = rows
+        return self._rows[split]
+
+    def train_dataloader(self) -> SeededBatches:
+        if self._train_batches is None:
+            self._train_batches = SeededBatches(self.rows("train"), self.batch_size, self.seed)
+        return self._train_batches
+
+    def val_dataloader(self) -> EvalBatches:
+        return EvalBatches(self.rows("val"), self.eval_batch_size)
+
+    def test_dataloader(self) -> EvalBatches:
+        return EvalBatches(self.rows("test"), self.eval_batch_size)
+
+    def predict_dataloader(self) -> EvalBatches:
+        return EvalBatches(self.rows("test"), self.eval_batch_size)
+
+
+def read_records(path: str | Path) -> list[dict[str, Any]]:
+    """Rows from a JSONL file, a JSON array, or a zip holding one JSONL member."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"dataset file {path} does not exist")
+    if path.suffix == ".zip":
+        import zipfile
+
+        with zipfile.ZipFile(path) as archive:
+            members = [m for m in archive.namelist() if m.endswith((".jsonl", ".json"))]
+            if len(members) != 1:
+                raise ValueError(f"{path} should hold one .jsonl/.json member, found {members}")
+            text = archive.read(members[0]).decode("utf-8")
+            suffix = Path(members[0]).suffix
+    else:
+        text = path.read_text(encoding="utf-8")
+        suffix = path.suffix
+    if suffix == ".json" or text.lstrip().startswith("["):
+        records = json.loads(text)
+        if not isinstance(records, list):
+            raise ValueError(f"{path} holds a JSON {type(records).__name__}, expected an array of records")
+        return records
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def require_fields(rows: list[dict[str, Any]], fields: list[str], where: str, fix: str) -> None:
+    """Raise a clear error naming the first row that lacks one of ``fields``."""
+    for i, row in enumerate(rows):
+        missing = [f for f in fields if f not in row]
+        if missing:
+            raise KeyError(f"{where}: row {i} has no field {missing[0]!r} (it has {sorted(row)}). {fix}")
+
+
+def held_out_split(rows: list[dict[str, Any]], size: int, seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(train, held-out): a seeded slice of ``size`` rows kept out of training."""
+    if size < 0 or size >= len(rows):
+        raise ValueError(f"held-out size must be in [0, {len(rows)}), got {size}")
+    index = list(range(len(rows)))
+    random.Random(seed).shuffle(index)
+    held = set(index[:size])
+    return [r for i, r in enumerate(rows) if i not in held], [rows[i] for i in sorted(held)]

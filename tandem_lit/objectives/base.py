@@ -1,0 +1,154 @@
+"""Objective: pure tensors in, (loss, metrics) out.
+
+Every objective weights each completion token by who wrote it: a senior token counts 1, a junior
+token counts ``junior_weight`` (0 masks it as in Tandem RLVR, 1 treats it as the senior's as in
+the Tandem Training main runs, 0 < j < 1 soft-masks it), padding counts 0. The weights come only
+from the rollout's ``author`` tensor: without it the objective raises rather than silently
+training on every token (which would be plain RL, not tandem RL).
+
+Micro-batching: the module computes ``advantages`` and a ``LossScale`` once over the whole
+optimiser batch and passes them with each micro-batch, so the micro-batch losses add up to the
+full-batch loss exactly.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from tandem_lit.rollout.record import Author
+
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+class AuthorshipError(ValueError):
+    """Authorship is missing or malformed: refuse to compute a loss (fail closed)."""
+
+
+@dataclass
+class ObjectiveInputs:
+    """One (micro-)batch of rollouts as the objective sees it."""
+
+    logp: Tensor  # [N, T] senior log-probs of the completion tokens under the current policy
+    author: Tensor | None  # [N, T] Author codes of the completion tokens
+    rewards: Tensor  # [N] verifier rewards
+    group: Tensor  # [N] long, prompt id: rollouts of one prompt share it
+    old_logp: Tensor | None = None  # [N, T] log-probs when the rollouts were drawn (None: on-policy)
+    ref_logp: Tensor | None = None  # [N, T] reference-policy log-probs, for the KL penalty
+    advantages: Tensor | None = None  # [N] precomputed over the whole batch (else from rewards/group)
+
+
+@dataclass
+class LossScale:
+    """Normalisers of the aggregated loss, computed over the whole optimiser batch."""
+
+    weight_sum: float  # sum of token weights of the sequences that enter the loss
+    sequences: int  # number of sequences that enter the loss
+    max_tokens: int  # completion token budget (constant normalisation)
+
+
+def token_weights(author: Tensor | None, junior_weight: float, like: Tensor) -> Tensor:  # -> [N, T] float
+    """Loss weight of every completion token from its author; raises on missing or bad authorship."""
+    if author is None:
+        raise AuthorshipError(
+            "the rollout batch has no authorship mask (author is None); tandem objectives refuse to "
+            "train without it, because that would silently be plain RL. Produce rollouts with a "
+            "tandem-lit engine, or attach an `author` tensor (Author.SENIOR/JUNIOR/PAD per token)."
+        )
+    if author.shape != like.shape:
+        raise AuthorshipError(f"author has shape {tuple(author.shape)} but the log-probs have {tuple(like.shape)}")
+    if author.dtype.is_floating_point or author.dtype == torch.bool:
+        raise AuthorshipError(f"author must hold integer Author codes, got dtype {author.dtype}")
+    codes = author.long()
+    known = (codes == Author.SENIOR) | (codes == Author.JUNIOR) | (codes == Author.PAD)
+    if not bool(known.all()):
+        bad = sorted(set(codes[~known].tolist()))
+        raise AuthorshipError(f"author holds codes {bad} inside completions; expected SENIOR (2), JUNIOR (3) or PAD (0)")
+    weights = torch.zeros_like(like, dtype=torch.float32)
+    weights = torch.where(codes == Author.SENIOR, 1.0, weights)
+    return torch.where(codes == Author.JUNIOR, float(junior_weight), weights)
+
+
+class Objective(ABC):
+    """Base class: token weights from authorship, advantages, per-token loss, aggregation.
+
+    Args:
+        junior_weight: Loss weight of a junior-written token (0 masks it).
+        aggregation: How per-token losses become one number: ``token-mean`` (sum over all tokens
+            / total weight), ``seq-mean-token-mean`` (mean over sequences of each sequence's
+            token mean), ``seq-mean-token-sum`` (mean over sequences of token sums) or
+            ``seq-mean-token-sum-norm`` (token sum / (sequences x max tokens), Dr. GRPO).
+    """
+
+    #: True when the loss needs log-probs from before the update (importance ratio)
+    uses_old_logp: bool = False
+
+    def __init__(self, junior_weight: float, aggregation: Aggregation = "token-mean"):
+        if junior_weight < 0:
+            raise ValueError(f"junior_weight must be >= 0, got {junior_weight}")
+        if aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+        self.junior_weight = float(junior_weight)
+        self.aggregation = aggregation
+
+    @property
+    def uses_reference(self) -> bool:
+        """True when the loss needs reference-policy log-probs (KL penalty)."""
+        return False
+
+    @abstractmethod
+    def advantages(self, rewards: Tensor, group: Tensor) -> Tensor:  # [N], [N] -> [N]
+        """The per-sequence learning signal, computed over the whole batch."""
+
+    def included(self, advantages: Tensor) -> Tensor:  # [N] -> [N] bool
+        """Sequences that enter the loss and its normaliser (default: all)."""
+        return torch.ones_like(advantages, dtype=torch.bool)
+
+    @abstractmethod
+    def token_loss(self, inputs: ObjectiveInputs, advantages: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """Per-token loss before weighting  # -> [N, T], metrics"""
+
+    def loss_scale(self, author: Tensor | None, advantages: Tensor, max_tokens: int) -> LossScale:
+        """Normalisers over a whole optimiser batch (pass the same to each micro-batch)."""
+        keep = self.included(advantages)
+        weights = token_weights(author, self.junior_weight, like=author if author is not None else advantages)
+        return LossScale(weight_sum=float(weights[keep].sum()), sequences=int(keep.sum()), max_tokens=max_tokens)
+
+    def __call__(self, inputs: ObjectiveInputs, scale: LossScale | None = None) -> tuple[Tensor, dict[str, float]]:
+        weights = token_weights(inputs.author, self.junior_weight, like=inputs.logp)
+        advantages = inputs.advantages if inputs.advantages is not None else self.advantages(inputs.rewards, inputs.group)
+        keep = self.included(advantages)
+        weights = weights * keep.unsqueeze(-1)
+        if scale is None:
+            scale = LossScale(float(weights.sum()), int(keep.sum()), inputs.logp.shape[1])
+        per_token, metrics = self.token_loss(inputs, advantages)
+        loss = self._aggregate(per_token, weights, scale)
+        out = {name: float(value) for name, value in metrics.items()}
+        out["loss"] = float(loss.detach())
+        out["included_fraction"] = float(keep.float().mean())
+        return loss, out
+
+    def _aggregate(self, per_token: Tensor, weights: Tensor, scale: LossScale) -> Tensor:
+        weighted = per_token * weights
+        if self.aggregation == "token-mean":
+            return weighted.sum() / max(scale.weight_sum, 1e-8)
+        sequences = max(scale.sequences, 1)
+        if self.aggregation == "seq-mean-token-mean":
+            per_sequence = weighted.sum(-1) / weights.sum(-1).clamp_min(1e-8)
+            return per_sequence.sum() / sequences
+        if self.aggregation == "seq-mean-token-sum":
+            return weighted.sum() / sequences
+        return weighted.sum() / (sequences * scale.max_tokens)
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({fields})"
+
+
+def masked_mean(values: Tensor, weights: Tensor) -> Tensor:
+    return (values * weights).sum() / weights.sum().clamp_min(1e-8)

@@ -1,0 +1,107 @@
+"""GRPO (Shao et al., 2024) as used by Tandem RLVR (Jiao et al., 2026).
+
+Advantages are rewards normalised within each prompt's group of rollouts; the loss is the PPO
+clipped surrogate with separate low/high clip ranges (DAPO's asymmetric clipping), an optional
+KL penalty to a reference policy with the k3 estimator (Schulman's unbiased, positive estimator),
+and junior tokens weighted ``junior_weight`` (default 0: masked, as in Tandem RLVR).
+
+``scale_rewards``: ``group`` divides by the group's standard deviation (GRPO), ``batch`` by the
+whole batch's (Hu et al., REINFORCE++ style), ``none`` keeps the centred rewards (Dr. GRPO).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from tandem_lit.objectives.base import Aggregation, Objective, ObjectiveInputs
+
+
+def group_centred(rewards: Tensor, group: Tensor) -> tuple[Tensor, Tensor]:
+    """Rewards minus their group mean, and each row's group standard deviation (unbiased).  # [N], [N]"""
+    _, index = torch.unique(group, return_inverse=True)
+    groups = int(index.max()) + 1 if index.numel() else 0
+    count = torch.zeros(groups, device=rewards.device).index_add_(0, index, torch.ones_like(rewards))
+    total = torch.zeros(groups, device=rewards.device).index_add_(0, index, rewards)
+    mean = total / count
+    centred = rewards - mean[index]
+    square = torch.zeros(groups, device=rewards.device).index_add_(0, index, centred**2)
+    std = (square / (count - 1).clamp_min(1)).sqrt()
+    return centred, std[index]
+
+
+class GRPO(Objective):
+    """Group Relative Policy Optimisation with a clipped importance ratio.
+
+    Args:
+        clip_low: ``eps_low``: the ratio is clipped below at 1 - clip_low.
+        clip_high: ``eps_high``: the ratio is clipped above at 1 + clip_high (DAPO uses 0.28).
+        scale_rewards: ``group``, ``batch`` or ``none`` (see module docstring).
+        kl_coef: Weight of the k3 KL penalty to the reference policy (0: no reference needed).
+        junior_weight: Loss weight of junior-written tokens (0: masked, as in Tandem RLVR).
+        aggregation: See ``Objective``.
+        eps: Added to the standard deviation before dividing.
+    """
+
+    uses_old_logp = True
+
+    def __init__(
+        self,
+        clip_low: float = 0.2,
+        clip_high: float = 0.2,
+        scale_rewards: Literal["group", "batch", "none"] = "group",
+        kl_coef: float = 0.0,
+        junior_weight: float = 0.0,
+        aggregation: Aggregation = "token-mean",
+        eps: float = 1e-6,
+    ):
+        super().__init__(junior_weight=junior_weight, aggregation=aggregation)
+        if scale_rewards not in ("group", "batch", "none"):
+            raise ValueError(f"scale_rewards must be 'group', 'batch' or 'none', got {scale_rewards!r}")
+        if clip_low < 0 or clip_high < 0:
+            raise ValueError(f"clip ranges must be >= 0, got clip_low={clip_low}, clip_high={clip_high}")
+        if kl_coef < 0:
+            raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
+        self.clip_low = float(clip_low)
+        self.clip_high = float(clip_high)
+        self.scale_rewards = scale_rewards
+        self.kl_coef = float(kl_coef)
+        self.eps = float(eps)
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.kl_coef > 0
+
+    def advantages(self, rewards: Tensor, group: Tensor) -> Tensor:
+        rewards = rewards.float()
+        centred, group_std = group_centred(rewards, group)
+        if self.scale_rewards == "group":
+            return centred / (group_std + self.eps)
+        if self.scale_rewards == "batch":
+            return centred / (rewards.std() + self.eps) if rewards.numel() > 1 else centred
+        return centred
+
+    def token_loss(self, inputs: ObjectiveInputs, advantages: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        logp = inputs.logp
+        old = inputs.old_logp if inputs.old_logp is not None else logp.detach()
+        ratio = torch.exp(logp - old)
+        adv = advantages.unsqueeze(-1)
+        unclipped = -adv * ratio
+        clipped = -adv * ratio.clamp(1.0 - self.clip_low, 1.0 + self.clip_high)
+        per_token = torch.maximum(unclipped, clipped)
+        mask = (inputs.author != 0).float() if inputs.author is not None else torch.ones_like(logp)
+        metrics = {
+            "clip_fraction": ((clipped > unclipped).float() * mask).sum() / mask.sum().clamp_min(1),
+            "ratio_mean": (ratio.detach() * mask).sum() / mask.sum().clamp_min(1),
+            "advantage_std": advantages.std() if advantages.numel() > 1 else advantages.new_zeros(()),
+        }
+        if self.kl_coef > 0:
+            if inputs.ref_logp is None:
+                raise ValueError("GRPO with kl_coef > 0 needs reference log-probs (ref_logp), got None")
+            delta = inputs.ref_logp - logp
+            kl = torch.exp(delta) - delta - 1.0  # k3 estimator of KL(pi || ref)
+            per_token = per_token + self.kl_coef * kl
+            metrics["kl"] = (kl.detach() * mask).sum() / mask.sum().clamp_min(1)
+        return per_token, metrics

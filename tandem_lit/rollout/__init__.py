@@ -1,0 +1,18 @@
+"""Rollouts: the Rollout record, handoff policies, sampling and engines."""
+
+from tandem_lit.rollout.engine import HFEngine, RolloutEngine, TokenizerMismatchError
+from tandem_lit.rollout.handoff import (
+    HandoffPolicy,
+    ParagraphHandoff,
+    SentenceHandoff,
+    SoloHandoff,
+    TokenHandoff,
+    WordHandoff,
+)
+from tandem_lit.rollout.record import Author, PromptBatch, Rollout
+from tandem_lit.rollout.sampling import SamplingConfig
+
+__all__ = [
+    "Author", "HFEngine", "HandoffPolicy", "ParagraphHandoff", "PromptBatch", "Rollout", "RolloutEngine",
+    "SamplingConfig", "SentenceHandoff", "SoloHandoff", "TokenHandoff", "TokenizerMismatchError", "WordHandoff",
+]

@@ -1,0 +1,182 @@
+"""Rollout engines: both models extend one shared sequence; the engine returns a Rollout.
+
+``RolloutEngine`` is the interface. ``HFEngine`` is the reference implementation: an eager
+loop over Hugging Face forwards with dynamic KV caches. It runs any causal LM (LoRA-wrapped
+included) and is the baseline the fast engine is measured against.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from abc import ABC, abstractmethod
+
+import torch
+from torch import Tensor, nn
+
+from tandem_lit.rollout.decoder import TandemDecoder
+from tandem_lit.rollout.handoff import HandoffPolicy, TokenClasses
+from tandem_lit.rollout.record import PromptBatch, Rollout
+from tandem_lit.rollout.sampling import SamplingConfig
+
+
+class TokenizerMismatchError(ValueError):
+    """Senior and junior tokenizers differ where a shared one is required."""
+
+
+def check_shared_tokenizer(senior_tokenizer, junior_tokenizer) -> None:
+    """Token-level lockstep needs one vocabulary: same token for the same id, same end token."""
+    if junior_tokenizer is None or junior_tokenizer is senior_tokenizer:
+        return
+    fix = (
+        "Token-level handoff feeds every token to both models, so they must share a tokenizer. "
+        "Use a junior with the senior's tokenizer, or set the engine to TextHandoffEngine for "
+        "text-level handoff between different tokenizers."
+    )
+    if senior_tokenizer.get_vocab() != junior_tokenizer.get_vocab():
+        raise TokenizerMismatchError(
+            f"senior and junior tokenizers differ ({len(senior_tokenizer)} vs {len(junior_tokenizer)} "
+            f"tokens, or the same size with different ids). {fix}"
+        )
+    if senior_tokenizer.eos_token_id != junior_tokenizer.eos_token_id:
+        raise TokenizerMismatchError(
+            f"senior and junior tokenizers end sequences with different tokens "
+            f"({senior_tokenizer.eos_token_id} vs {junior_tokenizer.eos_token_id}). {fix}"
+        )
+
+
+def end_token_ids(tokenizer, model: nn.Module | None = None) -> list[int]:
+    """Every token id that ends a completion: the tokenizer's and the generation config's."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    generation_config = getattr(model, "generation_config", None)
+    configured = getattr(generation_config, "eos_token_id", None)
+    if configured is not None:
+        ids.update([configured] if isinstance(configured, int) else configured)
+    if not ids:
+        raise ValueError("the tokenizer has no end-of-sequence token: set tokenizer.eos_token before training")
+    return sorted(ids)
+
+
+@contextlib.contextmanager
+def eval_mode(*models: nn.Module | None):
+    """Generation without dropout; restores each model's train/eval mode afterwards."""
+    present = [m for m in models if m is not None]
+    modes = [m.training for m in present]
+    for m in present:
+        m.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for m, was_training in zip(present, modes):
+            m.train(was_training)
+
+
+class RolloutEngine(ABC):
+    """Generates tandem rollouts. ``setup`` binds the models once; ``generate`` runs a batch."""
+
+    senior: nn.Module
+    junior: nn.Module | None
+    tokenizer: object
+
+    def setup(self, senior: nn.Module, junior: nn.Module | None, tokenizer, junior_tokenizer=None) -> None:
+        check_shared_tokenizer(tokenizer, junior_tokenizer)
+        self.senior = senior
+        self.junior = junior
+        self.tokenizer = tokenizer
+        self.eos_token_ids = end_token_ids(tokenizer, senior)
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
+        self._classes: TokenClasses | None = None
+
+    def token_classes(self, device: torch.device) -> TokenClasses:
+        if self._classes is None or self._classes.starts_ws.device != device:
+            self._classes = TokenClasses.from_tokenizer(self.tokenizer, device)
+        return self._classes
+
+    def decoder(self, prompts: PromptBatch, policy: HandoffPolicy, sampling: SamplingConfig) -> TandemDecoder:
+        if policy.only_author is None or policy.only_author.name == "JUNIOR":
+            if self.junior is None:
+                raise ValueError(f"{policy!r} needs a junior model, but none is configured")
+        return TandemDecoder(
+            policy, self.token_classes(prompts.seeds.device), sampling, prompts.seeds,
+            self.eos_token_ids, self.pad_token_id,
+        )
+
+    @abstractmethod
+    def generate(self, prompts: PromptBatch, policy: HandoffPolicy, sampling: SamplingConfig) -> Rollout:
+        """Rollouts for a batch of prompts (one row per rollout)."""
+
+
+class HFEngine(RolloutEngine):
+    """Eager tandem loop over Hugging Face forwards with dynamic KV caches (any causal LM).
+
+    Args:
+        check_every: Look for all-finished batches every this many tokens (one host sync each).
+    """
+
+    def __init__(self, check_every: int = 1):
+        self.check_every = max(1, check_every)
+
+    def generate(self, prompts: PromptBatch, policy: HandoffPolicy, sampling: SamplingConfig) -> Rollout:
+        device = next(self.senior.parameters()).device
+        prompts = prompts.to(device)
+        decoder = self.decoder(prompts, policy, sampling)
+        runners = {
+            "senior": _CachedForward(self.senior) if decoder.needs_senior else None,
+            "junior": _CachedForward(self.junior) if decoder.needs_junior else None,
+        }
+        with eval_mode(self.senior, self.junior):
+            logits = {name: r.prefill(prompts.input_ids, prompts.attention_mask) if r else None for name, r in runners.items()}
+            steps = 0
+            for t in range(sampling.max_new_tokens):
+                token = decoder.step(t, logits["senior"], logits["junior"])
+                steps = t + 1
+                if steps == sampling.max_new_tokens or (steps % self.check_every == 0 and decoder.all_finished()):
+                    break
+                logits = {name: r.step(token) if r else None for name, r in runners.items()}
+        return decoder.finish(prompts, self.tokenizer, steps)
+
+
+def cache_kwarg(model: nn.Module) -> str:
+    """The forward() keyword of the KV cache: ``cache`` in newer transformers, else ``past_key_values``."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(type(base).forward).parameters else "past_key_values"
+
+
+class _CachedForward:
+    """One model's incremental forward over left-padded prompts with a dynamic cache."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.cache_kwarg = cache_kwarg(model)
+
+    def prefill(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:  # -> [B, V]
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache()
+        self.mask = attention_mask
+        self.position = attention_mask.cumsum(-1) - 1
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=self.position.clamp_min(0),
+            use_cache=True,
+            logits_to_keep=1,
+            **{self.cache_kwarg: self.cache},
+        )
+        self.position = self.position[:, -1:]
+        return out.logits[:, -1].float()
+
+    def step(self, token: Tensor) -> Tensor:  # [B] -> [B, V]
+        self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], 1)], dim=-1)
+        self.position = self.position + 1
+        out = self.model(
+            input_ids=token.unsqueeze(-1),
+            attention_mask=self.mask,
+            position_ids=self.position,
+            use_cache=True,
+            **{self.cache_kwarg: self.cache},
+        )
+        return out.logits[:, -1].float()

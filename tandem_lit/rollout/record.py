@@ -1,0 +1,136 @@
+"""The records that cross module boundaries: prompts going into an engine, rollouts coming out.
+
+Authorship is data: every completion token carries an ``Author`` code from the sampler to the
+loss, so the objective can weight junior-written tokens explicitly and can refuse to run when the
+codes are missing (fail closed, never silently plain RL).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from enum import IntEnum
+
+import torch
+from torch import Tensor
+
+
+class Author(IntEnum):
+    """Who wrote a token. Stored as int8 in ``Rollout.author``."""
+
+    PAD = 0
+    PROMPT = 1
+    SENIOR = 2
+    JUNIOR = 3
+
+
+@dataclass
+class PromptBatch:
+    """Left-padded prompt token ids, one row per rollout (prompts already repeated per generation)."""
+
+    input_ids: Tensor  # [B, P] long, left-padded with pad_token_id
+    attention_mask: Tensor  # [B, P] long, 0 on padding
+    seeds: Tensor  # [B] long, per-sequence RNG seed (sampling and handoff draws)
+
+    def __post_init__(self) -> None:
+        if self.input_ids.shape != self.attention_mask.shape:
+            raise ValueError(
+                f"prompt input_ids {tuple(self.input_ids.shape)} and attention_mask "
+                f"{tuple(self.attention_mask.shape)} differ in shape"
+            )
+        if self.seeds.shape != (self.input_ids.shape[0],):
+            raise ValueError(f"seeds must have shape [{self.input_ids.shape[0]}], got {tuple(self.seeds.shape)}")
+        if self.input_ids.shape[1] == 0 or bool((self.attention_mask.sum(-1) == 0).any()):
+            raise ValueError("every prompt needs at least one token")
+
+    @property
+    def batch_size(self) -> int:
+        return self.input_ids.shape[0]
+
+    def to(self, device: torch.device | str) -> PromptBatch:
+        return replace(
+            self,
+            input_ids=self.input_ids.to(device),
+            attention_mask=self.attention_mask.to(device),
+            seeds=self.seeds.to(device),
+        )
+
+
+@dataclass
+class Rollout:
+    """A batch of finished rollouts. Completions are right-padded; ``author`` is PAD after the end."""
+
+    prompt_ids: Tensor  # [B, P] long, left-padded
+    prompt_mask: Tensor  # [B, P] long
+    completion_ids: Tensor  # [B, T] long, right-padded with pad_token_id
+    author: Tensor  # [B, T] int8 Author codes: SENIOR / JUNIOR, PAD after the end
+    finished: Tensor  # [B] bool, ended with an end-of-sequence token
+    truncated: Tensor  # [B] bool, hit max_new_tokens before ending
+    handoffs: Tensor  # [B] long, number of author switches inside the completion
+    decisions: Tensor  # [B] long, number of handoff draws (boundaries reached, plus the first span)
+    junior_draws: Tensor  # [B] long, how many of those draws picked the junior
+    texts: list[str] = field(default_factory=list)  # decoded completions (special tokens removed)
+
+    @property
+    def completion_mask(self) -> Tensor:  # [B, T] bool, True on written tokens
+        return self.author != Author.PAD
+
+    @property
+    def lengths(self) -> Tensor:  # [B] long
+        return self.completion_mask.sum(-1)
+
+    def junior_token_share(self) -> float:
+        written = self.completion_mask.sum().item()
+        return (self.author == Author.JUNIOR).sum().item() / written if written else 0.0
+
+    def select(self, index: Tensor | list[int]) -> Rollout:
+        """Rows of this batch (a micro-batch, or the rollouts of kept groups)."""
+        index = torch.as_tensor(index, dtype=torch.long, device=self.completion_ids.device)
+        picked = {
+            name: getattr(self, name)[index]
+            for name in (
+                "prompt_ids", "prompt_mask", "completion_ids", "author", "finished",
+                "truncated", "handoffs", "decisions", "junior_draws",
+            )
+        }
+        return Rollout(**picked, texts=[self.texts[i] for i in index.tolist()])
+
+    def spans(self, row: int, tokenizer) -> list[tuple[Author, str]]:
+        """The completion of one row as (author, text) spans, for logs a person can read."""
+        ids = self.completion_ids[row].tolist()
+        authors = self.author[row].tolist()
+        spans: list[tuple[Author, list[int]]] = []
+        for token, author in zip(ids, authors):
+            if author == Author.PAD:
+                break
+            if spans and spans[-1][0] == author:
+                spans[-1][1].append(token)
+            else:
+                spans.append((Author(author), [token]))
+        return [(author, tokenizer.decode(tokens)) for author, tokens in spans]
+
+
+def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
+    """Stack rollouts from several engine calls, padding prompts (left) and completions (right)."""
+
+    def pad_to(tensors: list[Tensor], width: int, value: int, left: bool) -> Tensor:
+        padded = []
+        for t in tensors:
+            extra = width - t.shape[1]
+            pad = (extra, 0) if left else (0, extra)
+            padded.append(torch.nn.functional.pad(t, pad, value=value))
+        return torch.cat(padded)
+
+    prompt_width = max(p.prompt_ids.shape[1] for p in parts)
+    completion_width = max(p.completion_ids.shape[1] for p in parts)
+    return Rollout(
+        prompt_ids=pad_to([p.prompt_ids for p in parts], prompt_width, pad_token_id, left=True),
+        prompt_mask=pad_to([p.prompt_mask for p in parts], prompt_width, 0, left=True),
+        completion_ids=pad_to([p.completion_ids for p in parts], completion_width, pad_token_id, left=False),
+        author=pad_to([p.author for p in parts], completion_width, int(Author.PAD), left=False),
+        finished=torch.cat([p.finished for p in parts]),
+        truncated=torch.cat([p.truncated for p in parts]),
+        handoffs=torch.cat([p.handoffs for p in parts]),
+        decisions=torch.cat([p.decisions for p in parts]),
+        junior_draws=torch.cat([p.junior_draws for p in parts]),
+        texts=[t for p in parts for t in p.texts],
+    )

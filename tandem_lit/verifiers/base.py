@@ -1,0 +1,73 @@
+"""Verifier: grades completions. One object serves training rewards and evaluation.
+
+``__call__`` returns rewards for RL; ``evaluate`` returns correctness for pass@k. Both go
+through ``grade_batch``, so training and evaluation can never grade differently.
+A verifier names the dataset columns it needs (``required_columns``); a batch without them
+raises an error that names the missing field instead of rewarding zero.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Grade:
+    """The verdict on one completion."""
+
+    correct: bool
+    reward: float
+    extracted: str | None = None  # the answer the verifier read from the completion
+
+
+class MissingColumnError(KeyError):
+    """The dataset rows lack a field the verifier needs."""
+
+    def __str__(self) -> str:  # KeyError would print the message in quotes
+        return str(self.args[0])
+
+
+class Verifier(ABC):
+    """Base class. Subclasses implement ``grade`` (one completion) and set ``required_columns``."""
+
+    required_columns: tuple[str, ...] = ()
+
+    @abstractmethod
+    def grade(self, completion: str, **columns: Any) -> Grade:
+        """Grade one completion given its dataset row's columns (e.g. ``answer``)."""
+
+    def grade_batch(self, completions: Sequence[str], **columns: Sequence[Any]) -> list[Grade]:
+        """Grade many completions; subclasses may parallelise. Columns are lists, one per completion."""
+        self.check_columns(columns, len(completions))
+        return [
+            self.grade(completion, **{name: values[i] for name, values in columns.items()})
+            for i, completion in enumerate(completions)
+        ]
+
+    def __call__(self, completions: Sequence[str], **columns: Sequence[Any]) -> Tensor:  # -> [N] float
+        return torch.tensor([g.reward for g in self.grade_batch(completions, **columns)], dtype=torch.float32)
+
+    def evaluate(self, completions: Sequence[str], **columns: Sequence[Any]) -> list[bool]:
+        return [g.correct for g in self.grade_batch(completions, **columns)]
+
+    def check_columns(self, columns: dict[str, Sequence[Any]], count: int) -> None:
+        missing = [name for name in self.required_columns if name not in columns]
+        if missing:
+            raise MissingColumnError(
+                f"{type(self).__name__} needs dataset field(s) {missing}, but the rows only have "
+                f"{sorted(columns)}. Map your dataset's field to {missing[0]!r} in the DataModule "
+                f"(e.g. its answer_field option) or pick a verifier that matches the data."
+            )
+        for name, values in columns.items():
+            if len(values) != count:
+                raise ValueError(f"column {name!r} has {len(values)} values for {count} completions")
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{type(self).__name__}({fields})"
