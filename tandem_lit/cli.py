@@ -11,6 +11,8 @@ lets short names (``GRPO``, ``WordHandoff``, ``GSM8KVerifier``) resolve. Everyth
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from pathlib import Path
 
@@ -25,6 +27,7 @@ import tandem_lit.rollout  # noqa: F401
 import tandem_lit.verifiers  # noqa: F401
 from tandem_lit.callbacks import AtomicCheckpointIO, RunReport, SaveConfigToRun
 from tandem_lit.data.base import PromptDataModule
+from tandem_lit.errors import TandemLitError
 from tandem_lit.module import TandemModule
 
 TRAINER_DEFAULTS = {
@@ -89,8 +92,30 @@ def build_cli(args: list[str] | None = None) -> TandemCLI:
 
 
 def main(args: list[str] | None = None) -> None:
-    """The ``tandem-lit`` console command; tests call ``main(args=[...])``."""
-    build_cli(args)
+    """The ``tandem-lit`` console command; tests call ``main(args=[...])``.
+
+    A user-fixable error (``TandemLitError``) ends the run with one line on stderr and exit code 2.
+    """
+    try:
+        build_cli(args)
+    except Exception as err:
+        cause = user_error(err)
+        if cause is None or os.environ.get("TANDEM_LIT_TRACEBACK"):
+            raise
+        print(f"tandem-lit: error: {cause}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def user_error(err: BaseException | None) -> TandemLitError | None:
+    """The user-fixable error behind ``err`` (jsonargparse wraps errors raised while it builds a
+    component from the config)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, TandemLitError):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ from typing import Literal
 import torch
 from torch import nn
 
+from tandem_lit.errors import ModelSourceError
+
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -79,14 +81,14 @@ def resolve(path: str) -> str:
     if os.path.exists(expanded):
         return expanded
     if path.startswith((".", "/", "~")) or path.count("/") > 1 or os.sep == "\\" and "\\" in path:
-        raise FileNotFoundError(
+        raise ModelSourceError(
             f"model path {path!r} does not exist. Give an existing local folder or a hub name like 'org/model'."
         )
     return path
 
 
-def _hub_error(source: ModelSource, err: Exception) -> OSError:
-    return OSError(
+def _hub_error(source: ModelSource, err: Exception) -> ModelSourceError:
+    return ModelSourceError(
         f"could not load {source.path!r}: {err}. If this is a hub name, check the spelling and that the hub is "
         f"reachable (or set HF_HUB_OFFLINE=1 with the model in your cache); if it is a folder with only a "
         f"config.json, set random_init: true to build random weights on purpose."

@@ -27,8 +27,17 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
+from tandem_lit.errors import ConfigError
 from tandem_lit.metrics import JargonDetector, rollout_stats
-from tandem_lit.models import LoraSettings, ModelSource, apply_lora, freeze, load_causal_lm, load_tokenizer, quantization_config
+from tandem_lit.models import (
+    LoraSettings,
+    ModelSource,
+    apply_lora,
+    freeze,
+    load_causal_lm,
+    load_tokenizer,
+    quantization_config,
+)
 from tandem_lit.objectives.base import AuthorshipError, Objective, ObjectiveInputs
 from tandem_lit.rollout.engine import HFEngine, RolloutEngine
 from tandem_lit.rollout.handoff import HandoffPolicy, SoloHandoff
@@ -163,17 +172,17 @@ class TandemModule(L.LightningModule):
     def _check_config(self) -> None:
         needs_junior = self.handoff.only_author != Author.SENIOR or "junior" in self.eval_modes or "tandem" in self.eval_modes
         if self.junior_source is None and needs_junior:
-            raise ValueError(
+            raise ConfigError(
                 f"handoff {self.handoff!r} and eval_modes {self.eval_modes} need a junior model: set "
                 "`junior`, or use SoloHandoff(author='senior') with eval_modes: [senior] for plain RL"
             )
         if self.micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+            raise ConfigError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
         if self.mini_batch_size is not None and self.mini_batch_size < 1:
-            raise ValueError(f"mini_batch_size must be >= 1 prompt, got {self.mini_batch_size}")
+            raise ConfigError(f"mini_batch_size must be >= 1 prompt, got {self.mini_batch_size}")
         unknown = set(self.eval_modes) - {"senior", "junior", "tandem"}
         if unknown:
-            raise ValueError(f"eval_modes may hold 'senior', 'junior', 'tandem'; got {sorted(unknown)}")
+            raise ConfigError(f"eval_modes may hold 'senior', 'junior', 'tandem'; got {sorted(unknown)}")
 
     # ----------------------------------------------------------------------------------- models
 
@@ -209,7 +218,7 @@ class TandemModule(L.LightningModule):
         if not use_chat:
             return prompt
         if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("prompt_format.chat_template is true but the senior's tokenizer has no chat template")
+            raise ConfigError("prompt_format.chat_template is true but the senior's tokenizer has no chat template")
         messages = ([{"role": "system", "content": fmt.system_prompt}] if fmt.system_prompt else []) + [
             {"role": "user", "content": prompt}
         ]

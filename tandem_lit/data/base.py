@@ -17,6 +17,8 @@ from typing import Any, Literal
 
 import lightning as L
 
+from tandem_lit.errors import ConfigError, DataError
+
 Split = Literal["train", "val", "test"]
 
 
@@ -43,9 +45,9 @@ class SeededBatches:
 
     def __init__(self, rows: list[dict[str, Any]], batch_size: int, seed: int, shuffle: bool = True):
         if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+            raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
         if len(rows) < batch_size:
-            raise ValueError(f"the training split has {len(rows)} rows, fewer than one batch of {batch_size}")
+            raise ConfigError(f"the training split has {len(rows)} rows, fewer than one batch of {batch_size}")
         self.rows = rows
         self.batch_size = batch_size
         self.seed = seed
@@ -79,7 +81,7 @@ class SeededBatches:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state.get("rows") != len(self.rows) or state.get("seed") != self.seed:
-            raise ValueError(
+            raise ConfigError(
                 f"the checkpoint's training data ({state.get('rows')} rows, seed {state.get('seed')}) differs from "
                 f"this run's ({len(self.rows)} rows, seed {self.seed}); resume with the same data settings"
             )
@@ -126,7 +128,7 @@ class PromptDataModule(L.LightningDataModule):
             rows = self.load_split(split)
             for i, row in enumerate(rows[:1]):
                 if "prompt" not in row:
-                    raise KeyError(f"{type(self).__name__} {split} row {i} has no 'prompt' (fields: {sorted(row)})")
+                    raise DataError(f"{type(self).__name__} {split} row {i} has no 'prompt' (fields: {sorted(row)})")
             self._rows[split] = rows
         return self._rows[split]
 
@@ -149,14 +151,14 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
     """Rows from a JSONL file, a JSON array, or a zip holding one JSONL member."""
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"dataset file {path} does not exist")
+        raise DataError(f"dataset file {path} does not exist")
     if path.suffix == ".zip":
         import zipfile
 
         with zipfile.ZipFile(path) as archive:
             members = [m for m in archive.namelist() if m.endswith((".jsonl", ".json"))]
             if len(members) != 1:
-                raise ValueError(f"{path} should hold one .jsonl/.json member, found {members}")
+                raise ConfigError(f"{path} should hold one .jsonl/.json member, found {members}")
             text = archive.read(members[0]).decode("utf-8")
             suffix = Path(members[0]).suffix
     else:
@@ -165,7 +167,7 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
     if suffix == ".json" or text.lstrip().startswith("["):
         records = json.loads(text)
         if not isinstance(records, list):
-            raise ValueError(f"{path} holds a JSON {type(records).__name__}, expected an array of records")
+            raise ConfigError(f"{path} holds a JSON {type(records).__name__}, expected an array of records")
         return records
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
@@ -175,13 +177,13 @@ def require_fields(rows: list[dict[str, Any]], fields: list[str], where: str, fi
     for i, row in enumerate(rows):
         missing = [f for f in fields if f not in row]
         if missing:
-            raise KeyError(f"{where}: row {i} has no field {missing[0]!r} (it has {sorted(row)}). {fix}")
+            raise DataError(f"{where}: row {i} has no field {missing[0]!r} (it has {sorted(row)}). {fix}")
 
 
 def held_out_split(rows: list[dict[str, Any]], size: int, seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(train, held-out): a seeded slice of ``size`` rows kept out of training."""
     if size < 0 or size >= len(rows):
-        raise ValueError(f"held-out size must be in [0, {len(rows)}), got {size}")
+        raise ConfigError(f"held-out size must be in [0, {len(rows)}), got {size}")
     index = list(range(len(rows)))
     random.Random(seed).shuffle(index)
     held = set(index[:size])

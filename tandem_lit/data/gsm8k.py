@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem_lit.data.base import PromptDataModule, Split, held_out_split, read_records, require_fields
+from tandem_lit.errors import DataError
 
 
 def load_table(source: str, split: str, hub_config: str | None = None) -> list[dict[str, Any]]:
@@ -19,11 +20,11 @@ def load_table(source: str, split: str, hub_config: str | None = None) -> list[d
         for name in (f"{split}.jsonl", f"{split}.json"):
             if (path / name).exists():
                 return read_records(path / name)
-        raise FileNotFoundError(f"{path} has no {split}.jsonl or {split}.json")
+        raise DataError(f"dataset folder {path} has no {split}.jsonl or {split}.json")
     if path.is_file():
         return read_records(path)
     if source.startswith((".", "/", "~")) or source.count("/") > 1:
-        raise FileNotFoundError(f"dataset path {source} does not exist")
+        raise DataError(f"dataset path {source} does not exist; give an existing folder/file or a hub name")
     try:
         import datasets
     except ImportError as err:  # a core dependency; only a broken install lands here
@@ -88,7 +89,7 @@ class GSM8KDataModule(PromptDataModule):
     def _row(self, record: dict[str, Any]) -> dict[str, Any]:
         solution = str(record[self.answer_field])
         if "####" not in solution:
-            raise ValueError(f"GSM8K answer has no '#### <number>' final answer: {solution[-80:]!r}")
+            raise DataError(f"GSM8K answer has no '#### <number>' final answer: {solution[-80:]!r}")
         question = record[self.question_field]
         return {
             "prompt": self.prompt_template.format(**{**record, "question": question}),

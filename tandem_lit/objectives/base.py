@@ -20,13 +20,14 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from tandem_lit.errors import ConfigError, TandemLitError
 from tandem_lit.rollout.record import Author
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
-class AuthorshipError(ValueError):
+class AuthorshipError(TandemLitError, ValueError):
     """Authorship is missing or malformed: refuse to compute a loss (fail closed)."""
 
 
@@ -90,9 +91,9 @@ class Objective(ABC):
 
     def __init__(self, junior_weight: float, aggregation: Aggregation = "token-mean"):
         if junior_weight < 0:
-            raise ValueError(f"junior_weight must be >= 0, got {junior_weight}")
+            raise ConfigError(f"junior_weight must be >= 0, got {junior_weight}")
         if aggregation not in AGGREGATIONS:
-            raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+            raise ConfigError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
         self.junior_weight = float(junior_weight)
         self.aggregation = aggregation
 

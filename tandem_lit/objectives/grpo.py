@@ -16,6 +16,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from tandem_lit.errors import ConfigError
 from tandem_lit.objectives.base import Aggregation, Objective, ObjectiveInputs
 
 
@@ -59,11 +60,11 @@ class GRPO(Objective):
     ):
         super().__init__(junior_weight=junior_weight, aggregation=aggregation)
         if scale_rewards not in ("group", "batch", "none"):
-            raise ValueError(f"scale_rewards must be 'group', 'batch' or 'none', got {scale_rewards!r}")
+            raise ConfigError(f"scale_rewards must be 'group', 'batch' or 'none', got {scale_rewards!r}")
         if clip_low < 0 or clip_high < 0:
-            raise ValueError(f"clip ranges must be >= 0, got clip_low={clip_low}, clip_high={clip_high}")
+            raise ConfigError(f"clip ranges must be >= 0, got clip_low={clip_low}, clip_high={clip_high}")
         if kl_coef < 0:
-            raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
+            raise ConfigError(f"kl_coef must be >= 0, got {kl_coef}")
         self.clip_low = float(clip_low)
         self.clip_high = float(clip_high)
         self.scale_rewards = scale_rewards
@@ -99,7 +100,7 @@ class GRPO(Objective):
         }
         if self.kl_coef > 0:
             if inputs.ref_logp is None:
-                raise ValueError("GRPO with kl_coef > 0 needs reference log-probs (ref_logp), got None")
+                raise ConfigError("GRPO with kl_coef > 0 needs reference log-probs (ref_logp), got None")
             delta = inputs.ref_logp - logp
             kl = torch.exp(delta) - delta - 1.0  # k3 estimator of KL(pi || ref)
             per_token = per_token + self.kl_coef * kl

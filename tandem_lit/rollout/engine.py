@@ -14,13 +14,14 @@ from abc import ABC, abstractmethod
 import torch
 from torch import Tensor, nn
 
+from tandem_lit.errors import ConfigError
 from tandem_lit.rollout.decoder import TandemDecoder
 from tandem_lit.rollout.handoff import HandoffPolicy, TokenClasses
 from tandem_lit.rollout.record import PromptBatch, Rollout
 from tandem_lit.rollout.sampling import SamplingConfig
 
 
-class TokenizerMismatchError(ValueError):
+class TokenizerMismatchError(ConfigError):
     """Senior and junior tokenizers differ where a shared one is required."""
 
 
@@ -55,7 +56,7 @@ def end_token_ids(tokenizer, model: nn.Module | None = None) -> list[int]:
     if configured is not None:
         ids.update([configured] if isinstance(configured, int) else configured)
     if not ids:
-        raise ValueError("the tokenizer has no end-of-sequence token: set tokenizer.eos_token before training")
+        raise ConfigError("the tokenizer has no end-of-sequence token: set tokenizer.eos_token before training")
     return sorted(ids)
 
 
@@ -98,7 +99,7 @@ class RolloutEngine(ABC):
     def decoder(self, prompts: PromptBatch, policy: HandoffPolicy, sampling: SamplingConfig) -> TandemDecoder:
         if policy.only_author is None or policy.only_author.name == "JUNIOR":
             if self.junior is None:
-                raise ValueError(f"{policy!r} needs a junior model, but none is configured")
+                raise ConfigError(f"{policy!r} needs a junior model, but none is configured")
         return TandemDecoder(
             policy, self.token_classes(prompts.seeds.device), sampling, prompts.seeds,
             self.eos_token_ids, self.pad_token_id,

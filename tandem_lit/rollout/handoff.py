@@ -22,6 +22,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from tandem_lit.errors import ConfigError
 from tandem_lit.rollout.record import Author
 
 _SENTENCE_END = (".", "?", "!")
@@ -132,11 +133,11 @@ class HandoffPolicy(ABC):
         first_author: Literal["draw", "senior", "junior"] = "draw",
     ):
         if not 0.0 <= p <= 1.0:
-            raise ValueError(f"handoff probability p must be in [0, 1], got {p}")
+            raise ConfigError(f"handoff probability p must be in [0, 1], got {p}")
         if max_span is not None and max_span < 1:
-            raise ValueError(f"max_span must be a positive number of tokens or None, got {max_span}")
+            raise ConfigError(f"max_span must be a positive number of tokens or None, got {max_span}")
         if first_author not in ("draw", "senior", "junior"):
-            raise ValueError(f"first_author must be 'draw', 'senior' or 'junior', got {first_author!r}")
+            raise ConfigError(f"first_author must be 'draw', 'senior' or 'junior', got {first_author!r}")
         self.p = float(p)
         self.max_span = max_span
         self.first_author = first_author
@@ -243,7 +244,7 @@ class SoloHandoff(HandoffPolicy):
 
     def __init__(self, author: Literal["senior", "junior"] = "senior"):
         if author not in ("senior", "junior"):
-            raise ValueError(f"SoloHandoff author must be 'senior' or 'junior', got {author!r}")
+            raise ConfigError(f"SoloHandoff author must be 'senior' or 'junior', got {author!r}")
         super().__init__(p=0.0 if author == "senior" else 1.0, first_author=author)
         self.author = author
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from tandem_lit.errors import ConfigError
+
 _MASK32 = 0xFFFFFFFF
 
 
@@ -40,15 +42,15 @@ class SamplingConfig:
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
-            raise ValueError(f"sampling.temperature must be >= 0, got {self.temperature}")
+            raise ConfigError(f"sampling.temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+            raise ConfigError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
-            raise ValueError(f"sampling.top_k must be >= 0 (0 = off), got {self.top_k}")
+            raise ConfigError(f"sampling.top_k must be >= 0 (0 = off), got {self.top_k}")
         if self.max_new_tokens < 1:
-            raise ValueError(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+            raise ConfigError(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.n < 1:
-            raise ValueError(f"sampling.n must be >= 1, got {self.n}")
+            raise ConfigError(f"sampling.n must be >= 1, got {self.n}")
 
     @property
     def greedy(self) -> bool:

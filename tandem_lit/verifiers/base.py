@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from tandem_lit.errors import DataError
+
 
 @dataclass(frozen=True)
 class Grade:
@@ -26,11 +28,8 @@ class Grade:
     extracted: str | None = None  # the answer the verifier read from the completion
 
 
-class MissingColumnError(KeyError):
+class MissingColumnError(DataError):
     """The dataset rows lack a field the verifier needs."""
-
-    def __str__(self) -> str:  # KeyError would print the message in quotes
-        return str(self.args[0])
 
 
 class Verifier(ABC):

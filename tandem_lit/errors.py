@@ -1,0 +1,22 @@
+"""Errors a user can fix: each names the problem and the fix. ``tandem-lit`` prints them as one
+line (set ``TANDEM_LIT_TRACEBACK=1`` for the traceback); anything else is a bug and keeps its
+traceback."""
+
+
+class TandemLitError(Exception):
+    """Base of user-fixable errors."""
+
+    def __str__(self) -> str:  # KeyError subclasses would otherwise print their message quoted
+        return str(self.args[0]) if self.args else ""
+
+
+class ConfigError(TandemLitError, ValueError):
+    """A setting is out of range or contradicts another."""
+
+
+class DataError(TandemLitError, KeyError):
+    """Dataset rows lack a field, or a dataset cannot be found."""
+
+
+class ModelSourceError(TandemLitError, OSError):
+    """A model path or hub name cannot be loaded."""
