@@ -35,40 +35,62 @@ class DecodeState:
 
 
 class TandemDecoder:
-    """Chooses and records one token per sequence per step, given both models' logits."""
+    """Chooses and records one token per sequence per step, given both models' logits.
+
+    All buffers are allocated once and updated in place, so a CUDA graph that captured ``step``
+    keeps reading and writing the same memory on every replay; ``reset`` loads a new batch.
+    """
 
     def __init__(
         self,
         policy: HandoffPolicy,
         classes: TokenClasses,
         sampling: SamplingConfig,
-        seeds: Tensor,  # [B] long
+        batch_size: int,
         eos_token_ids: list[int],
         pad_token_id: int,
     ):
-        device = seeds.device
-        batch = seeds.shape[0]
+        device = classes.starts_ws.device
         self.policy = policy
         self.rule = policy.compile(classes)
         self.vocab_size = classes.vocab_size
         self.sampling = sampling
-        self.seeds = seeds
         self.eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=device)
         self.pad_token_id = pad_token_id
         self.only_author = policy.only_author
-        self.tokens = torch.full((batch, sampling.max_new_tokens), pad_token_id, dtype=torch.long, device=device)
-        self.authors = torch.zeros((batch, sampling.max_new_tokens), dtype=torch.int8, device=device)
-        zeros = torch.zeros(batch, dtype=torch.long, device=device)
-        first, drawn = self._first_author(batch, device)
+        self.batch_size = batch_size
+        self.seeds = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.tokens = torch.full((batch_size, sampling.max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+        self.authors = torch.zeros((batch_size, sampling.max_new_tokens), dtype=torch.int8, device=device)
+        self.logprobs = torch.zeros((batch_size, sampling.max_new_tokens), dtype=torch.float32, device=device)
+        self.logprob_temperature = sampling.temperature if sampling.temperature > 0 else 1.0
+
+        def zeros(dtype=torch.long) -> Tensor:
+            return torch.zeros(batch_size, dtype=dtype, device=device)
+
         self.state = DecodeState(
-            author=first,
-            span_len=zeros.clone(),
-            carry=zeros.clone(),
-            finished=torch.zeros(batch, dtype=torch.bool, device=device),
-            handoffs=zeros.clone(),
-            decisions=drawn.long(),
-            junior_draws=(drawn & (first == Author.JUNIOR)).long(),
+            author=zeros(), span_len=zeros(), carry=zeros(), finished=zeros(torch.bool),
+            handoffs=zeros(), decisions=zeros(), junior_draws=zeros(),
         )
+
+    def reset(self, seeds: Tensor) -> None:
+        """Start a new batch with these per-sequence seeds (draws the first span's author)."""
+        s = self.state
+        self.seeds.copy_(seeds)
+        self.tokens.fill_(self.pad_token_id)
+        self.authors.zero_()
+        self.logprobs.zero_()
+        for buffer in (s.span_len, s.carry, s.finished, s.handoffs):
+            buffer.zero_()
+        if self.policy.first_author == "draw":
+            junior = uniform(self.seeds, 0, _FIRST_AUTHOR) < self.policy.p
+            s.author.copy_(torch.where(junior, int(Author.JUNIOR), int(Author.SENIOR)))
+            s.decisions.fill_(1)
+            s.junior_draws.copy_(junior.long())
+        else:
+            s.author.fill_(int(Author.JUNIOR if self.policy.first_author == "junior" else Author.SENIOR))
+            s.decisions.zero_()
+            s.junior_draws.zero_()
 
     @property
     def needs_senior(self) -> bool:
@@ -77,13 +99,6 @@ class TandemDecoder:
     @property
     def needs_junior(self) -> bool:
         return self.only_author != Author.SENIOR
-
-    def _first_author(self, batch: int, device) -> tuple[Tensor, Tensor]:
-        if self.policy.first_author == "draw":
-            junior = uniform(self.seeds, 0, _FIRST_AUTHOR) < self.policy.p
-            return torch.where(junior, int(Author.JUNIOR), int(Author.SENIOR)), torch.ones(batch, dtype=torch.bool, device=device)
-        fixed = Author.JUNIOR if self.policy.first_author == "junior" else Author.SENIOR
-        return torch.full((batch,), int(fixed), dtype=torch.long, device=device), torch.zeros(batch, dtype=torch.bool, device=device)
 
     def _logits_of(self, author: Tensor, senior: Tensor | None, junior: Tensor | None) -> Tensor:
         if junior is None:
@@ -103,21 +118,25 @@ class TandemDecoder:
         junior = junior_logits[:, :v] if junior_logits is not None else None
         candidate = sample_tokens(self._logits_of(s.author, senior, junior), uniform(self.seeds, t, _CANDIDATE), self.sampling)
         if self.only_author is None:
-            token, author = self._handoff(t, candidate, senior, junior)
+            token = self._handoff(t, candidate, senior, junior)
         else:
-            token, author = candidate, s.author
-            s.span_len += 1
+            token = candidate
+            s.span_len.add_(1)
         live = ~s.finished
         token = torch.where(live, token, self.pad_token_id)
-        code = torch.where(live, author, int(Author.PAD)).to(torch.int8)
+        code = torch.where(live, s.author, int(Author.PAD)).to(torch.int8)
         index = torch.as_tensor(t, device=token.device).reshape(1)
         self.tokens.index_copy_(1, index, token.unsqueeze(1))
         self.authors.index_copy_(1, index, code.unsqueeze(1))
-        s.carry = self.rule.update(s.carry, token)
-        s.finished = s.finished | torch.isin(token, self.eos)
+        if senior is not None:
+            logprob = (senior.float() / self.logprob_temperature).log_softmax(-1).gather(-1, token.unsqueeze(-1))
+            self.logprobs.index_copy_(1, index, torch.where(live.unsqueeze(-1), logprob, 0.0))
+        s.carry.copy_(self.rule.update(s.carry, token))
+        if not self.sampling.ignore_eos:
+            s.finished.logical_or_(token.unsqueeze(-1).eq(self.eos).any(-1))
         return token
 
-    def _handoff(self, t, candidate: Tensor, senior: Tensor, junior: Tensor) -> tuple[Tensor, Tensor]:
+    def _handoff(self, t, candidate: Tensor, senior: Tensor, junior: Tensor) -> Tensor:
         s = self.state
         boundary = self.rule.at_boundary(s.carry, candidate) & (s.span_len > 0)
         allowed = self.rule.start_allowed(s.carry)
@@ -131,12 +150,12 @@ class TandemDecoder:
         switched = new_author != s.author
         switch_token = sample_tokens(self._logits_of(new_author, senior, junior), uniform(self.seeds, t, _SWITCH), self.sampling, allowed)
         live = ~s.finished
-        s.decisions += (boundary & live).long()
-        s.junior_draws += (boundary & live & (drawn == Author.JUNIOR)).long()
-        s.handoffs += (switched & live).long()
-        s.span_len = torch.where(switched, 1, s.span_len + 1)
-        s.author = new_author
-        return torch.where(switched, switch_token, candidate), new_author
+        s.decisions.add_((boundary & live).long())
+        s.junior_draws.add_((boundary & live & (drawn == Author.JUNIOR)).long())
+        s.handoffs.add_((switched & live).long())
+        s.span_len.copy_(torch.where(switched, 1, s.span_len + 1))
+        s.author.copy_(new_author)
+        return torch.where(switched, switch_token, candidate)
 
     def all_finished(self) -> bool:
         return bool(self.state.finished.all())
@@ -147,10 +166,8 @@ class TandemDecoder:
         width = max(int(lengths.max().item()) if lengths.numel() else 0, 1)
         tokens = self.tokens[:, :width]
         authors = self.authors[:, :width]
-        texts = [
-            tokenizer.decode(row[: int(n)].tolist(), skip_special_tokens=True)
-            for row, n in zip(tokens.cpu(), lengths.cpu())
-        ]
+        rows = tokens.cpu().tolist()
+        texts = tokenizer.batch_decode([row[:n] for row, n in zip(rows, lengths.tolist())], skip_special_tokens=True)
         s = self.state
         return Rollout(
             prompt_ids=prompts.input_ids,
@@ -163,4 +180,5 @@ class TandemDecoder:
             decisions=s.decisions.clone(),
             junior_draws=s.junior_draws.clone(),
             texts=texts,
+            senior_logprobs=self.logprobs[:, :width].clone() if self.needs_senior else None,
         )

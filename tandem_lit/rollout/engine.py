@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from tandem_lit.errors import ConfigError
 from tandem_lit.rollout.decoder import TandemDecoder
 from tandem_lit.rollout.handoff import HandoffPolicy, TokenClasses
-from tandem_lit.rollout.record import PromptBatch, Rollout
+from tandem_lit.rollout.record import Author, PromptBatch, Rollout
 from tandem_lit.rollout.sampling import SamplingConfig
 
 
@@ -97,13 +97,18 @@ class RolloutEngine(ABC):
         return self._classes
 
     def decoder(self, prompts: PromptBatch, policy: HandoffPolicy, sampling: SamplingConfig) -> TandemDecoder:
-        if policy.only_author is None or policy.only_author.name == "JUNIOR":
-            if self.junior is None:
-                raise ConfigError(f"{policy!r} needs a junior model, but none is configured")
-        return TandemDecoder(
-            policy, self.token_classes(prompts.seeds.device), sampling, prompts.seeds,
+        """A fresh decoder loaded with this batch's seeds."""
+        self.check_models(policy)
+        decoder = TandemDecoder(
+            policy, self.token_classes(prompts.seeds.device), sampling, prompts.batch_size,
             self.eos_token_ids, self.pad_token_id,
         )
+        decoder.reset(prompts.seeds)
+        return decoder
+
+    def check_models(self, policy: HandoffPolicy) -> None:
+        if policy.only_author != Author.SENIOR and self.junior is None:
+            raise ConfigError(f"{policy!r} needs a junior model, but none is configured")
 
     @abstractmethod
     def generate(self, prompts: PromptBatch, policy: HandoffPolicy, sampling: SamplingConfig) -> Rollout:

@@ -69,6 +69,9 @@ class Rollout:
     decisions: Tensor  # [B] long, number of handoff draws (boundaries reached, plus the first span)
     junior_draws: Tensor  # [B] long, how many of those draws picked the junior
     texts: list[str] = field(default_factory=list)  # decoded completions (special tokens removed)
+    # [B, T] float32: the senior's log-prob of each appended token at the sampling temperature,
+    # as the engine computed it (None when the senior did not run, e.g. junior-only rollouts)
+    senior_logprobs: Tensor | None = None
 
     @property
     def completion_mask(self) -> Tensor:  # [B, T] bool, True on written tokens
@@ -92,7 +95,8 @@ class Rollout:
                 "truncated", "handoffs", "decisions", "junior_draws",
             )
         }
-        return Rollout(**picked, texts=[self.texts[i] for i in index.tolist()])
+        logprobs = self.senior_logprobs[index] if self.senior_logprobs is not None else None
+        return Rollout(**picked, texts=[self.texts[i] for i in index.tolist()], senior_logprobs=logprobs)
 
     def spans(self, row: int, tokenizer) -> list[tuple[Author, str]]:
         """The completion of one row as (author, text) spans, for logs a person can read."""
@@ -122,6 +126,9 @@ def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
 
     prompt_width = max(p.prompt_ids.shape[1] for p in parts)
     completion_width = max(p.completion_ids.shape[1] for p in parts)
+    logprobs = None
+    if all(p.senior_logprobs is not None for p in parts):
+        logprobs = pad_to([p.senior_logprobs for p in parts], completion_width, 0, left=False)
     return Rollout(
         prompt_ids=pad_to([p.prompt_ids for p in parts], prompt_width, pad_token_id, left=True),
         prompt_mask=pad_to([p.prompt_mask for p in parts], prompt_width, 0, left=True),
@@ -133,4 +140,5 @@ def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
         decisions=torch.cat([p.decisions for p in parts]),
         junior_draws=torch.cat([p.junior_draws for p in parts]),
         texts=[t for p in parts for t in p.texts],
+        senior_logprobs=logprobs,
     )

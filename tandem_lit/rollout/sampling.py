@@ -31,6 +31,8 @@ class SamplingConfig:
         max_new_tokens: Token budget of one completion (shared by both authors in tandem).
         n: Samples per prompt: GRPO's group size in training, pass@k's n in evaluation.
         seed: Base seed; each sequence's seed is derived from it, the step and the row.
+        ignore_eos: Keep writing after an end-of-sequence token (benchmarks that need every
+            sequence to run the full budget).
     """
 
     temperature: float = 1.0
@@ -39,6 +41,7 @@ class SamplingConfig:
     max_new_tokens: int = 256
     n: int = 1
     seed: int = 0
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -106,12 +109,32 @@ def sample_tokens(
         if config.top_p < 1.0:
             mass_before = probs.cumsum(dim=-1) - probs
             probs = probs * (mass_before < config.top_p)  # always keeps the first token
-        return index.gather(-1, _inverse_cdf(probs, u).unsqueeze(-1)).squeeze(-1)
-    return _inverse_cdf(torch.softmax(logits, dim=-1), u)
+        return index.gather(-1, inverse_cdf(probs, u).unsqueeze(-1)).squeeze(-1)
+    weights = torch.exp(logits - logits.max(dim=-1, keepdim=True).values)  # unnormalised softmax
+    return inverse_cdf(weights, u)
 
 
-def _inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:  # [B, V], [B] -> [B]
-    cdf = probs.cumsum(dim=-1)
-    target = u.unsqueeze(-1) * cdf[:, -1:]
-    index = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-    return index.clamp_max(probs.shape[-1] - 1)
+_CDF_BLOCK = 1024
+
+
+def inverse_cdf(weights: Tensor, u: Tensor) -> Tensor:  # [B, V] >= 0, [B] -> [B] long
+    """The token whose cumulative weight first exceeds ``u`` x total: an exact categorical draw.
+
+    Large vocabularies go in two levels (blocks of 1024, then tokens within the chosen block):
+    a scan over a 150k-token row is far slower on a GPU than two short ones.
+    """
+    batch, vocab = weights.shape
+    if vocab <= 4 * _CDF_BLOCK:
+        cdf = weights.cumsum(dim=-1)
+        index = torch.searchsorted(cdf, u.unsqueeze(-1) * cdf[:, -1:], right=True).squeeze(-1)
+        return index.clamp_max(vocab - 1)
+    blocks = torch.nn.functional.pad(weights, (0, (-vocab) % _CDF_BLOCK)).view(batch, -1, _CDF_BLOCK)
+    block_cdf = blocks.sum(dim=-1).cumsum(dim=-1)  # [B, blocks]
+    target = u * block_cdf[:, -1]
+    chosen = torch.searchsorted(block_cdf, target.unsqueeze(-1), right=True).clamp_max(block_cdf.shape[1] - 1)
+    before = torch.where(chosen > 0, block_cdf.gather(-1, (chosen - 1).clamp_min(0)), 0.0)
+    inner = blocks.gather(1, chosen.unsqueeze(-1).expand(batch, 1, _CDF_BLOCK)).squeeze(1).cumsum(dim=-1)
+    offset = torch.searchsorted(inner, (target.unsqueeze(-1) - before), right=True).clamp_max(_CDF_BLOCK - 1)
+    index = (chosen * _CDF_BLOCK + offset).squeeze(-1).clamp_max(vocab - 1)
+    # rounding between the two levels can land on a zero-weight token: take the mode instead
+    return torch.where(weights.gather(-1, index.unsqueeze(-1)).squeeze(-1) > 0, index, weights.argmax(dim=-1))

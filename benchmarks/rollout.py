@@ -1,0 +1,234 @@
+"""Rollout throughput: naive two-model HF loop vs HF generate vs FastEngine (solo, tandem).
+
+GPU (H200), Qwen3-4B senior and Qwen3-1.7B junior shapes with random bf16 weights, EOS
+ignored so every sequence runs the full budget, word-level handoff p=0.5:
+
+    python benchmarks/rollout.py --device cuda --batches 16 64 256 --new-tokens 256 1024
+
+CPU micro-benchmark with tiny models (CI-sized machines can see regressions):
+
+    python benchmarks/rollout.py --device cpu --tiny
+
+Every row is measured in the same run; ratios compare rows of that run only. The roofline is
+the bytes one decode step must read (both models' weights + the KV cache at the mean length)
+divided by the copy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tandem_lit.rollout.engine import HFEngine
+from tandem_lit.rollout.fast import FastEngine
+from tandem_lit.rollout.handoff import SoloHandoff, WordHandoff
+from tandem_lit.rollout.record import PromptBatch
+from tandem_lit.rollout.sampling import SamplingConfig, sequence_seeds
+
+QWEN3_4B = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128)
+QWEN3_1_7B = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                  num_key_value_heads=8, head_dim=128)
+TINY_SENIOR = dict(hidden_size=96, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=24)
+TINY_JUNIOR = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16)
+
+
+def synthetic_tokenizer(vocab_size: int):
+    """A real fast tokenizer with ``vocab_size`` tokens; about a third start a word (leading space),
+    a few are line breaks, so word boundaries occur at a realistic rate."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    for i in range(len(vocab), vocab_size):
+        vocab[("\n" if i % 97 == 0 else " " if i % 3 == 0 else "") + f"w{i}"] = i
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def build_qwen3(shape: dict, vocab: int, dtype: torch.dtype, device: str, seed: int) -> nn.Module:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(vocab_size=vocab, max_position_embeddings=40960, rope_theta=1_000_000.0,
+                         tie_word_embeddings=True, eos_token_id=2, pad_token_id=0, bos_token_id=1, **shape)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(config).to(dtype)
+    return model.eval().requires_grad_(False)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    # a tied embedding is read once per step (as the LM head); the lookup reads only B rows
+    return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def kv_bytes_per_token(model: nn.Module) -> int:
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return c.num_hidden_layers * 2 * c.num_key_value_heads * head_dim * next(model.parameters()).element_size()
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes/s of a large device-to-device copy (read + write counted)."""
+    if device != "cuda":
+        return float("nan")
+    x = torch.empty(2 * 1024**3, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / 10
+    del x, y
+    return 2 * 2 * 1024**3 / seconds
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+@dataclass
+class Row:
+    name: str
+    batch: int
+    new_tokens: int
+    steps: int
+    seconds: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.batch * self.steps / self.seconds
+
+    @property
+    def step_ms(self) -> float:
+        return 1000 * self.seconds / self.steps
+
+
+def time_engine(engine, prompts, policy, sampling, device, repeats: int) -> float:
+    engine.generate(prompts, policy, sampling)  # warm-up: graph capture, allocator growth, lazy init
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        out = engine.generate(prompts, policy, sampling)
+        sync(device)
+        times.append(time.perf_counter() - start)
+        assert int(out.lengths.min()) == sampling.max_new_tokens, "EOS must be ignored in the benchmark"
+    return statistics.median(times)
+
+
+def time_hf_generate(model, prompts, sampling, device, repeats: int) -> float:
+    kwargs = dict(attention_mask=prompts.attention_mask, max_new_tokens=sampling.max_new_tokens,
+                  min_new_tokens=sampling.max_new_tokens, do_sample=True, temperature=sampling.temperature,
+                  top_k=0, top_p=1.0, pad_token_id=0)
+    with torch.no_grad():
+        model.generate(prompts.input_ids, **kwargs)  # warm-up
+        times = []
+        for _ in range(repeats):
+            sync(device)
+            start = time.perf_counter()
+            model.generate(prompts.input_ids, **kwargs)
+            sync(device)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--tiny", action="store_true", help="tiny models (CPU regression check)")
+    parser.add_argument("--batches", type=int, nargs="+", default=None)
+    parser.add_argument("--new-tokens", type=int, nargs="+", default=None)
+    parser.add_argument("--prompt", type=int, default=None, help="prompt tokens")
+    parser.add_argument("--baseline-steps", type=int, default=256,
+                        help="cap on the baselines' new tokens (they are slow); their tokens/s is measured at that length")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--json", default=None, help="write the rows here")
+    args = parser.parse_args()
+
+    device = args.device
+    if args.tiny:
+        shapes, vocab, dtype = (TINY_SENIOR, TINY_JUNIOR), 512, torch.float32
+        batches, new_tokens, prompt_len, repeats = args.batches or [16], args.new_tokens or [64], args.prompt or 32, args.repeats or 3
+        torch.set_num_threads(max(1, torch.get_num_threads()))
+    else:
+        shapes, vocab, dtype = (QWEN3_4B, QWEN3_1_7B), 151936, torch.bfloat16
+        batches, new_tokens, prompt_len, repeats = args.batches or [16, 64, 256], args.new_tokens or [256, 1024], args.prompt or 128, args.repeats or 1
+    tokenizer = synthetic_tokenizer(vocab)
+    senior = build_qwen3(shapes[0], vocab, dtype, device, seed=0)
+    junior = build_qwen3(shapes[1], vocab, dtype, device, seed=1)
+    naive, fast = HFEngine(), FastEngine()
+    naive.setup(senior, junior, tokenizer)
+    fast.setup(senior, junior, tokenizer)
+    bandwidth = copy_bandwidth(device)
+    senior_w, junior_w = weight_bytes(senior), weight_bytes(junior)
+    senior_kv, junior_kv = kv_bytes_per_token(senior), kv_bytes_per_token(junior)
+    name = "tiny" if args.tiny else "Qwen3-4B / Qwen3-1.7B shapes"
+    print(f"# device={device} ({torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}) models={name} dtype={dtype}")
+    print(f"# weights: senior {senior_w / 1e9:.2f} GB, junior {junior_w / 1e9:.2f} GB; copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    header = f"{'batch':>5} {'new':>5} {'row':<22} {'steps':>5} {'ms/step':>8} {'tok/s':>9} {'roofline':>8}"
+    print(header)
+    results = []
+    summary = {}
+    for new in new_tokens:
+        for batch in batches:
+            generator = torch.Generator().manual_seed(batch)
+            ids = torch.randint(4, vocab, (batch, prompt_len), generator=generator)
+            prompts = PromptBatch(ids, torch.ones_like(ids), sequence_seeds(0, 0, batch)).to(device)
+            full = SamplingConfig(temperature=args.temperature, max_new_tokens=new, ignore_eos=True)
+            short = SamplingConfig(temperature=args.temperature, max_new_tokens=min(new, args.baseline_steps), ignore_eos=True)
+            rows = [
+                Row("naive HF loop, tandem", batch, new, short.max_new_tokens,
+                    time_engine(naive, prompts, WordHandoff(0.5), short, device, repeats)),
+                Row("HF generate, solo", batch, new, short.max_new_tokens, time_hf_generate(senior, prompts, short, device, repeats)),
+                Row("FastEngine, solo", batch, new, new, time_engine(fast, prompts, SoloHandoff(), full, device, repeats)),
+                Row("FastEngine, tandem", batch, new, new, time_engine(fast, prompts, WordHandoff(0.5), full, device, repeats)),
+            ]
+            mean_len = prompt_len + new / 2
+            step_bytes = {
+                "solo": senior_w + batch * mean_len * senior_kv,
+                "tandem": senior_w + junior_w + batch * mean_len * (senior_kv + junior_kv),
+            }
+            for row in rows:
+                kind = "solo" if "solo" in row.name else "tandem"
+                roofline_tps = batch / (step_bytes[kind] / bandwidth) if bandwidth == bandwidth else float("nan")
+                share = row.tokens_per_second / roofline_tps
+                print(f"{batch:>5} {new:>5} {row.name:<22} {row.steps:>5} {row.step_ms:>8.2f} {row.tokens_per_second:>9.0f} {share:>8.1%}")
+                results.append({**row.__dict__, "tokens_per_second": row.tokens_per_second, "step_ms": row.step_ms,
+                                "roofline_tokens_per_second": roofline_tps, "roofline_share": share})
+            naive_row, _, solo_row, tandem_row = rows
+            ideal = step_bytes["tandem"] / step_bytes["solo"]
+            measured = tandem_row.step_ms / solo_row.step_ms
+            key = f"b{batch}_n{new}"
+            summary[key] = {
+                "tandem_vs_naive": tandem_row.tokens_per_second / naive_row.tokens_per_second,
+                "tandem_over_solo_step": measured,
+                "ideal_tandem_over_solo": ideal,
+                "tandem_roofline_share": results[-1]["roofline_share"],
+            }
+            print(f"{'':>11} tandem/naive {summary[key]['tandem_vs_naive']:.1f}x; tandem/solo step {measured:.2f} "
+                  f"(ideal {ideal:.2f}, {measured / ideal - 1:+.1%})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": device, "models": name, "bandwidth": bandwidth, "rows": results, "summary": summary}, f, indent=2)
+    first = next(iter(summary.values()))
+    print(f"tandem_vs_naive={first['tandem_vs_naive']:.2f} tandem_over_solo_step={first['tandem_over_solo_step']:.2f} "
+          f"ideal_tandem_over_solo={first['ideal_tandem_over_solo']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

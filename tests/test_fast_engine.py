@@ -1,0 +1,204 @@
+"""FastEngine: same rollouts as the reference HFEngine, live weights, correct log-probs.
+
+Runs on CPU (eager decode step) everywhere and, where a GPU is present, also on CUDA with the
+decode step captured as a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from tandem_lit.errors import ConfigError
+from tandem_lit.rollout.engine import HFEngine
+from tandem_lit.rollout.fast import FastEngine
+from tandem_lit.rollout.handoff import ParagraphHandoff, SoloHandoff, TokenHandoff, WordHandoff
+from tandem_lit.rollout.record import Author, PromptBatch
+from tandem_lit.rollout.sampling import SamplingConfig, sequence_seeds
+from tandem_lit.tiny import char_tokenizer, tiny_llama_config
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+PROMPTS = ["Q: 2+3?\nA:", "Hi", "The quick brown fox jumps over", "1. a\n\n2."]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return char_tokenizer()
+
+
+def build(arch: str, vocab: int, hidden: int, layers: int, seed: int):
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        eos_token_id=2, pad_token_id=0, bos_token_id=1,
+    )
+    if arch == "qwen3":
+        return Qwen3ForCausalLM(Qwen3Config(head_dim=hidden // 4, tie_word_embeddings=True, **common)).eval()
+    if arch == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**common)).eval()  # q/k/v biases
+    return LlamaForCausalLM(tiny_llama_config(vocab, hidden=hidden, layers=layers)).eval()
+
+
+def prompt_batch(tokenizer, device, prompts=PROMPTS, seed=0):
+    enc = tokenizer(prompts, padding=True, padding_side="left", return_tensors="pt")
+    return PromptBatch(enc.input_ids, enc.attention_mask, sequence_seeds(seed, 0, len(prompts))).to(device)
+
+
+def engines(senior, junior, tokenizer, kernels="torch"):
+    """The reference engine and a FastEngine; the torch kernels are comparable bit for bit."""
+    reference, fast = HFEngine(), FastEngine(kernels=kernels)
+    reference.setup(senior, junior, tokenizer)
+    fast.setup(senior, junior, tokenizer)
+    return reference, fast
+
+
+def assert_same_rollouts(a, b):
+    assert a.texts == b.texts
+    assert torch.equal(a.completion_ids.cpu(), b.completion_ids.cpu())
+    assert torch.equal(a.author.cpu(), b.author.cpu())
+    assert torch.equal(a.finished.cpu(), b.finished.cpu())
+    assert torch.equal(a.handoffs.cpu(), b.handoffs.cpu())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
+def test_fast_engine_matches_reference_engine(tokenizer, device, arch):
+    senior = build(arch, len(tokenizer), 64, 2, seed=0).to(device)
+    junior = build(arch, len(tokenizer), 32, 1, seed=1).to(device)
+    reference, fast = engines(senior, junior, tokenizer)
+    prompts = prompt_batch(tokenizer, device)
+    samplers = [
+        SamplingConfig(temperature=0.0, max_new_tokens=24),
+        SamplingConfig(temperature=1.0, max_new_tokens=24, seed=3),
+        SamplingConfig(temperature=0.7, top_k=8, top_p=0.9, max_new_tokens=24),
+    ]
+    policies = [WordHandoff(0.5), TokenHandoff(0.5), ParagraphHandoff(0.5), SoloHandoff(), SoloHandoff("junior")]
+    for policy in policies:
+        for sampling in samplers:
+            assert_same_rollouts(reference.generate(prompts, policy, sampling), fast.generate(prompts, policy, sampling))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("policy", [WordHandoff(0.5), TokenHandoff(0.5)])
+def test_identical_models_tandem_equals_solo_greedy(tokenizer, device, policy):
+    # fp32 and the same weights on both sides: who writes a token cannot change it under argmax
+    senior = build("qwen3", len(tokenizer), 64, 2, seed=0).to(device)
+    junior = copy.deepcopy(senior)
+    _, fast = engines(senior, junior, tokenizer, kernels="auto")  # the Triton kernels on GPU
+    prompts = prompt_batch(tokenizer, device)
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=32)
+    tandem = fast.generate(prompts, policy, greedy)
+    solo = fast.generate(prompts, SoloHandoff(), greedy)
+    assert torch.equal(tandem.completion_ids, solo.completion_ids)
+    assert (tandem.author == Author.JUNIOR).any(), "the junior should have written some tokens"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_p0_all_senior_p1_all_junior(tokenizer, device):
+    senior = build("llama", len(tokenizer), 64, 2, seed=0).to(device)
+    junior = build("llama", len(tokenizer), 32, 1, seed=1).to(device)
+    _, fast = engines(senior, junior, tokenizer)
+    prompts = prompt_batch(tokenizer, device)
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=20)
+    for p, author in ((0.0, Author.SENIOR), (1.0, Author.JUNIOR)):
+        out = fast.generate(prompts, WordHandoff(p), sampling)
+        written = out.author[out.completion_mask]
+        assert written.numel() > 0 and bool((written == author).all())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_senior_logprobs_match_teacher_forcing(tokenizer, device):
+    senior = build("qwen3", len(tokenizer), 64, 2, seed=0).to(device)
+    junior = build("qwen3", len(tokenizer), 32, 1, seed=1).to(device)
+    _, fast = engines(senior, junior, tokenizer, kernels="auto")
+    prompts = prompt_batch(tokenizer, device)
+    sampling = SamplingConfig(temperature=0.8, max_new_tokens=24)
+    out = fast.generate(prompts, WordHandoff(0.5), sampling)
+    ids = torch.cat([out.prompt_ids, out.completion_ids], dim=1)
+    mask = torch.cat([out.prompt_mask, out.completion_mask.long()], dim=1)
+    with torch.no_grad():
+        logits = senior(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0)).logits
+    width = out.completion_ids.shape[1]
+    logits = logits[:, -width - 1 : -1].float() / sampling.temperature
+    expected = logits.log_softmax(-1).gather(-1, out.completion_ids.unsqueeze(-1)).squeeze(-1)
+    written = out.completion_mask
+    torch.testing.assert_close(out.senior_logprobs[written], expected[written], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("lora", [True, False])
+def test_next_rollout_reads_updated_weights(tokenizer, device, lora):
+    from peft import LoraConfig, get_peft_model
+
+    senior = build("llama", len(tokenizer), 64, 2, seed=0).to(device)
+    if lora:
+        senior = get_peft_model(senior, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    junior = build("llama", len(tokenizer), 32, 1, seed=1).to(device)
+    # default kernels: on GPU the fused q/k/v and gate/up copies must be re-synced
+    reference, fast = engines(senior, junior, tokenizer, kernels="auto")
+    prompts = prompt_batch(tokenizer, device)
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=24)
+    before = fast.generate(prompts, SoloHandoff(), greedy)
+    optimizer = torch.optim.SGD([p for p in senior.parameters() if p.requires_grad], lr=20.0)
+    target = before.completion_ids[:, 0]
+    for _ in range(2):  # LoRA B starts at zero: two steps make both A and B move
+        logits = senior(input_ids=prompts.input_ids, attention_mask=prompts.attention_mask).logits.float()
+        loss = logits[:, -1].log_softmax(-1).gather(-1, target.unsqueeze(-1)).mean()  # push the first token down
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    after = fast.generate(prompts, SoloHandoff(), greedy)
+    assert not torch.equal(before.completion_ids, after.completion_ids), "the update should change greedy output"
+    expected = reference.generate(prompts, SoloHandoff(), greedy)
+    if device == "cpu":
+        assert_same_rollouts(expected, after)
+    else:  # fused kernels: the same policy up to float rounding
+        assert (expected.completion_ids == after.completion_ids).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_batches_of_other_sizes_and_lengths_reuse_the_engine(tokenizer, device):
+    senior = build("llama", len(tokenizer), 64, 2, seed=0).to(device)
+    junior = build("llama", len(tokenizer), 32, 1, seed=1).to(device)
+    reference, fast = engines(senior, junior, tokenizer)
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=16)
+    for prompts in (PROMPTS[:1], PROMPTS, PROMPTS * 3, ["a much longer prompt than the others, " * 4]):
+        batch = prompt_batch(tokenizer, device, prompts)
+        assert_same_rollouts(reference.generate(batch, WordHandoff(0.5), sampling), fast.generate(batch, WordHandoff(0.5), sampling))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels need a GPU")
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
+def test_triton_kernels_match_torch_path(tokenizer, arch):
+    senior = build(arch, len(tokenizer), 128, 2, seed=0).cuda()
+    junior = build(arch, len(tokenizer), 64, 1, seed=1).cuda()
+    _, plain = engines(senior, junior, tokenizer, kernels="torch")
+    _, fused = engines(senior, junior, tokenizer, kernels="triton")
+    prompts = prompt_batch(tokenizer, "cuda")
+    for policy in (WordHandoff(0.5), SoloHandoff()):
+        a = plain.generate(prompts, policy, SamplingConfig(temperature=0.0, max_new_tokens=40))
+        b = fused.generate(prompts, policy, SamplingConfig(temperature=0.0, max_new_tokens=40))
+        assert_same_rollouts(a, b)  # fp32 with IEEE dot products: the same greedy text
+        torch.testing.assert_close(a.senior_logprobs, b.senior_logprobs, atol=1e-4, rtol=1e-4)
+    # bf16: the same decode logits up to bf16 rounding
+    for model in (senior, junior):
+        model.to(torch.bfloat16)
+    _, plain = engines(senior, junior, tokenizer, kernels="torch")
+    _, fused = engines(senior, junior, tokenizer, kernels="triton")
+    a = plain.generate(prompts, SoloHandoff(), SamplingConfig(temperature=0.0, max_new_tokens=8))
+    b = fused.generate(prompts, SoloHandoff(), SamplingConfig(temperature=0.0, max_new_tokens=8))
+    # token 0 comes from the shared prefill; token 1 is the first decode step of each path
+    assert torch.equal(a.completion_ids[:, :2], b.completion_ids[:, :2])
+    torch.testing.assert_close(a.senior_logprobs[:, 1], b.senior_logprobs[:, 1], atol=0.05, rtol=0.05)
+
+
+def test_unsupported_architecture_fails_closed(tokenizer):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=2))
+    with pytest.raises(ConfigError, match="HFEngine"):
+        FastEngine().setup(gpt2, None, tokenizer)
