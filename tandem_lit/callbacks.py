@@ -70,6 +70,8 @@ class SaveConfigToRun(SaveConfigCallback):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.parser.save(self.config, str(path), skip_none=False, overwrite=True, multifile=self.multifile)
         log_artifact(trainer, path)
+        for logger in trainer.loggers:  # searchable run parameters (the YAML stays the full record)
+            logger.log_hyperparams({k: v for k, v in self.config.as_dict().items() if k in ("model", "data")})
         self.already_saved = True
 
 

@@ -78,6 +78,8 @@ def build_cli(args: list[str] | None = None) -> TandemCLI:
     """Parse ``args`` (default: the command line) and run the subcommand; returns the CLI object
     (``.trainer``, ``.model``, ``.datamodule``) for programmatic use."""
     warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")  # the frozen junior, on purpose
+    # we want the post-update state in a checkpoint (global_step counts updates already made)
+    warnings.filterwarnings("ignore", message=r".*ModelCheckpoint with manual optimization.*")
     return TandemCLI(
         TandemModule,
         PromptDataModule,

@@ -76,7 +76,12 @@ class LoraSettings:
 
 
 def resolve(path: str) -> str:
-    """A local folder stays local; a missing local-looking path is an error, not a hub lookup."""
+    """A local folder stays local; a missing local-looking path is an error, not a hub lookup.
+    ``demo://<name>`` is a cached demo model (``tandem_lit.demo.build``), built on first use."""
+    if path.startswith("demo://"):
+        from tandem_lit.demo.build import demo_model_dir
+
+        return str(demo_model_dir(path[len("demo://") :]))
     expanded = os.path.expanduser(path)
     if os.path.exists(expanded):
         return expanded

@@ -28,7 +28,8 @@ import torch
 from torch import Tensor, nn
 
 from tandem_lit.errors import ConfigError
-from tandem_lit.metrics import JargonDetector, rollout_stats
+from tandem_lit.evaluation import DatasetTally, flat_metrics, summarize, write_report
+from tandem_lit.metrics import JargonDetector, pass_at_k, rollout_stats
 from tandem_lit.models import (
     LoraSettings,
     ModelSource,
@@ -40,7 +41,7 @@ from tandem_lit.models import (
 )
 from tandem_lit.objectives.base import AuthorshipError, Objective, ObjectiveInputs
 from tandem_lit.rollout.engine import HFEngine, RolloutEngine
-from tandem_lit.rollout.handoff import HandoffPolicy, SoloHandoff
+from tandem_lit.rollout.handoff import HandoffPolicy, ParagraphHandoff, SoloHandoff
 from tandem_lit.rollout.record import Author, PromptBatch, Rollout
 from tandem_lit.rollout.sampling import SamplingConfig, sequence_seeds
 from tandem_lit.verifiers.base import Grade, Verifier
@@ -96,9 +97,15 @@ class TandemModule(L.LightningModule):
         handoff: Who writes each span of a training rollout (SoloHandoff: plain RL).
         junior: The frozen partner (None only with SoloHandoff(author='senior')).
         lora: Train LoRA adapters instead of full weights.
-        engine: Rollout engine (default: HFEngine).
+        engine: Rollout engine (default: FastEngine when it supports the architecture, else
+            HFEngine, with a warning; the choice is logged as the ``engine`` hyperparameter).
         sampling: Training rollouts (``n`` = rollouts per prompt, GRPO's group size).
-        eval_sampling: Validation rollouts (default greedy, one per prompt).
+        eval_sampling: Validation rollouts (default greedy, one per prompt; with ``n`` > 1 the
+            validation also logs ``eval/<mode>_pass_at_<k>`` for checkpoint selection).
+        test_handoff: Handoff of ``tandem-lit test`` (default: paragraph level, p=0.5, the model
+            under test writes first, as in Tandem RLVR's evaluation).
+        test_sampling: Sampling of ``tandem-lit test`` (default: eval_sampling).
+        pass_k: The k of the reported pass@k (those <= n).
         optimizer: Optimizer factory (default AdamW, lr 1e-6, no weight decay).
         mini_batch_size: Prompts per optimiser update (None: the whole step batch, one update).
         micro_batch_size: Sequences per forward/backward pass (gradient accumulation).
@@ -126,6 +133,9 @@ class TandemModule(L.LightningModule):
         engine: RolloutEngine | None = None,
         sampling: SamplingConfig | None = None,
         eval_sampling: SamplingConfig | None = None,
+        test_handoff: HandoffPolicy | None = None,
+        test_sampling: SamplingConfig | None = None,
+        pass_k: list[int] | None = None,
         optimizer: OptimizerCallable | None = None,
         mini_batch_size: int | None = None,
         micro_batch_size: int = 16,
@@ -147,9 +157,14 @@ class TandemModule(L.LightningModule):
         self.objective = objective
         self.handoff = handoff
         self.lora = lora
-        self.engine = engine or HFEngine()
+        self.engine = engine
+        self._engine_device: torch.device | None = None
         self.sampling = sampling or SamplingConfig(temperature=1.0, n=2)
         self.eval_sampling = eval_sampling or SamplingConfig(temperature=0.0, max_new_tokens=self.sampling.max_new_tokens)
+        self.test_handoff = test_handoff or ParagraphHandoff(p=0.5, first_author="senior")
+        self.test_sampling = test_sampling or self.eval_sampling
+        self.pass_k = sorted(set(pass_k or [1, 2, 4, 8]))
+        self._test_tallies: dict[str, DatasetTally] = {}
         self.optimizer_factory = optimizer
         self.mini_batch_size = mini_batch_size
         self.micro_batch_size = micro_batch_size
@@ -166,8 +181,9 @@ class TandemModule(L.LightningModule):
         self.junior: nn.Module | None = None
         self.reference: nn.Module | None = None
         self.tokenizer = None
-        self.history: list[dict[str, float]] = []  # every logged metric row, for plots and summaries
-        self.save_hyperparameters(ignore=["verifier", "objective", "handoff", "engine"])
+        # every logged metric row, for plots and summaries. (No save_hyperparameters: the resolved
+        # config.yaml is the record of a run, and LightningCLI would rebuild the module from it.)
+        self.history: list[dict[str, float]] = []
 
     def _check_config(self) -> None:
         needs_junior = self.handoff.only_author != Author.SENIOR or "junior" in self.eval_modes or "tandem" in self.eval_modes
@@ -202,7 +218,18 @@ class TandemModule(L.LightningModule):
             import copy
 
             self.reference = freeze(copy.deepcopy(senior))
-        self.engine.setup(self.senior, self.junior, self.tokenizer, junior_tokenizer)
+        self.junior_tokenizer = junior_tokenizer
+        if self.engine is None:
+            self.engine = default_engine(self.senior, self.junior)
+
+    def ready_engine(self) -> RolloutEngine:
+        """The engine, bound to the models where they now live (after Lightning moved them)."""
+        if self._engine_device != self.device:
+            self.engine.setup(self.senior, self.junior, self.tokenizer, self.junior_tokenizer)
+            self._engine_device = self.device
+            for logger in self.loggers:
+                logger.log_hyperparams({"engine": type(self.engine).__name__})
+        return self.engine
 
     def configure_optimizers(self):
         params = [p for p in self.senior.parameters() if p.requires_grad]
@@ -232,7 +259,7 @@ class TandemModule(L.LightningModule):
         encoded = self.tokenizer(texts, padding=True, padding_side="left", return_tensors="pt", add_special_tokens=not chat)
         seeds = sequence_seeds(sampling.seed, key, len(texts))
         prompts = PromptBatch(encoded["input_ids"], encoded["attention_mask"], seeds).to(self.device)
-        rollout = self.engine.generate(prompts, policy, sampling)
+        rollout = self.ready_engine().generate(prompts, policy, sampling)
         columns = {name: [row[name] for row in rows for _ in range(sampling.n)] for name in rows[0] if name != "prompt"}
         grades = self.verifier.grade_batch(rollout.texts, **columns)
         group = torch.arange(len(rows)).repeat_interleave(sampling.n)
@@ -272,14 +299,20 @@ class TandemModule(L.LightningModule):
         stats["rollout_seconds"] = generated - started
         stats["update_seconds"] = time.perf_counter() - generated
         stats["tokens_per_second"] = float(result.rollout.lengths.sum()) / max(generated - started, 1e-9)
-        self.log_dict({f"train/{k}": v for k, v in stats.items()}, batch_size=len(batch), prog_bar=False)
-        self.log("reward", stats["reward_mean"], prog_bar=True, batch_size=len(batch))
-        self.history.append({"step": self.global_step, **{f"train/{k}": v for k, v in stats.items()}})
+        row = {f"train/{k}": v for k, v in stats.items()}
+        self.log_dict(row, batch_size=len(batch), logger=False)  # for callbacks (monitor, progress bar)
+        self.log("reward", stats["reward_mean"], prog_bar=True, batch_size=len(batch), logger=False)
+        self.log_metrics_at_update(row)
         self.write_completions(result, "train")
-
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if hasattr(batch, "mark_consumed"):
+        if hasattr(batch, "mark_consumed"):  # before ModelCheckpoint saves, in on_train_batch_end
             batch.mark_consumed()
+
+    def log_metrics_at_update(self, row: dict[str, float]) -> None:
+        """Log a row at x = optimiser updates so far (0 = before training), the x of every plot,
+        of completions.jsonl and of the summary."""
+        for logger in self.loggers:
+            logger.log_metrics(row, step=self.global_step)
+        self.history.append({"step": self.global_step, **row})
 
     def optimise(self, result: RolloutResult) -> dict[str, float]:
         """Objective and optimiser updates on one batch of graded rollouts."""
@@ -323,7 +356,7 @@ class TandemModule(L.LightningModule):
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.senior.parameters() if p.requires_grad]
 
-    def sequence_logprobs(self, model: nn.Module, rollout: Rollout) -> Tensor:  # -> [N, T]
+    def sequence_logprobs(self, model: nn.Module, rollout: Rollout, temperature: float | None = None) -> Tensor:  # -> [N, T]
         """Log-probs of the completion tokens under ``model`` (teacher-forced, one forward).
 
         Logits are divided by the sampling temperature, as the sampler drew from that
@@ -337,8 +370,9 @@ class TandemModule(L.LightningModule):
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=completion.shape[1] + 1)
         logits = out.logits[:, :-1].float()
         assert logits.shape[1] == completion.shape[1], (logits.shape, completion.shape, prompt_len)
-        if self.sampling.temperature > 0:
-            logits = logits / self.sampling.temperature
+        temperature = self.sampling.temperature if temperature is None else temperature
+        if temperature > 0:
+            logits = logits / temperature
         return torch.gather(logits.log_softmax(-1), -1, completion.unsqueeze(-1)).squeeze(-1)
 
     @torch.no_grad()
@@ -374,6 +408,11 @@ class TandemModule(L.LightningModule):
             result = self.rollout(rows, self.eval_policy(mode), self.eval_sampling, key)
             n = len(result.grades)
             out[f"eval/{mode}_accuracy"] = (sum(result.correct) / n, n)
+            samples = self.eval_sampling.n
+            correct = torch.tensor(result.correct).view(len(rows), samples).sum(-1).tolist()
+            for k in self.pass_k:
+                if 1 < k <= samples:
+                    out[f"eval/{mode}_pass_at_{k}"] = (sum(pass_at_k(samples, c, k) for c in correct) / len(rows), len(rows))
             out[f"eval/{mode}_jargon_rate"] = (self.jargon.rate(result.rollout.texts), n)
             out[f"eval/{mode}_response_length"] = (float(result.rollout.lengths.float().mean()), n)
             out[f"eval/{mode}_truncation_rate"] = (float(result.rollout.truncated.float().mean()), n)
@@ -384,13 +423,12 @@ class TandemModule(L.LightningModule):
 
     def validation_step(self, batch: list[dict[str, Any]], batch_idx: int) -> None:
         for name, (value, count) in self.evaluate_batch(batch, batch_idx).items():
-            self.log(name, value, batch_size=count, on_epoch=True, prog_bar=name.endswith("senior_accuracy"))
+            self.log(name, value, batch_size=count, on_epoch=True, logger=False, prog_bar=name.endswith("senior_accuracy"))
 
     def on_validation_epoch_end(self) -> None:
         if self.trainer.sanity_checking:
             return
-        row = {k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith("eval/")}
-        self.history.append({"step": self.global_step, **row})
+        self.log_metrics_at_update({k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith("eval/")})
 
     def on_train_start(self) -> None:
         if not self.evaluate_at_start or self.global_step > 0 or not self.trainer.val_dataloaders:
@@ -402,10 +440,60 @@ class TandemModule(L.LightningModule):
                 total[0] += value * count
                 total[1] += count
         row = {name: s / max(c, 1) for name, (s, c) in totals.items()}
-        for logger in self.loggers:
-            logger.log_metrics(row, step=0)
-        self.history.append({"step": 0, **row})
+        self.log_metrics_at_update(row)
         log.info("evaluation before training: %s", json.dumps({k: round(v, 4) for k, v in row.items()}))
+
+    def test_step(self, batch: list[dict[str, Any]], batch_idx: int, dataloader_idx: int = 0) -> None:
+        """Solo and handoff samples of every problem, graded, tallied per eval set."""
+        name = str(batch[0].get("dataset", f"set{dataloader_idx}"))
+        tally = self._test_tallies.setdefault(name, DatasetTally(n=self.test_sampling.n))
+        key = dataloader_idx * 1_000_003 + batch_idx
+        solo = self.rollout(batch, SoloHandoff("senior"), self.test_sampling, key)
+        self._tally(tally, solo, handoff=False)
+        if self.junior is not None:
+            handoff = self.rollout(batch, self.test_handoff, self.test_sampling, key)
+            self._tally(tally, handoff, handoff=True)
+            nll, tokens = self.partner_cross_entropy(solo.rollout)
+            tally.partner_nll += nll
+            tally.partner_tokens += tokens
+
+    def _tally(self, tally: DatasetTally, result: RolloutResult, handoff: bool) -> None:
+        n = self.test_sampling.n
+        per_problem = torch.tensor(result.correct).view(-1, n).sum(-1).tolist()
+        (tally.handoff_correct if handoff else tally.solo_correct).extend(per_problem)
+        (tally.handoff_lengths if handoff else tally.solo_lengths).extend(result.rollout.lengths.tolist())
+        (tally.handoff_truncated if handoff else tally.solo_truncated).extend(result.rollout.truncated.tolist())
+
+    @torch.no_grad()
+    def partner_cross_entropy(self, rollout: Rollout) -> tuple[float, int]:
+        """Legibility: the partner's summed negative log-likelihood of the model's solo text
+        (temperature 1, teacher-forced) and the number of tokens it covers."""
+        rows = torch.arange(rollout.completion_ids.shape[0], device=self.device)
+        total, tokens = 0.0, 0
+        for m in rows.split(self.micro_batch_size):
+            part = rollout.select(m)
+            logp = self.sequence_logprobs(self.junior, part, temperature=1.0)
+            mask = part.completion_mask
+            total += float(-(logp * mask).sum())
+            tokens += int(mask.sum())
+        return total, tokens
+
+    def on_test_epoch_start(self) -> None:
+        self._test_tallies = {}
+
+    def on_test_epoch_end(self) -> None:
+        report = summarize(self._test_tallies, self.pass_k)
+        report["settings"] = {
+            "sampling": vars(self.test_sampling), "handoff": repr(self.test_handoff), "pass_k": self.pass_k,
+            "senior": vars(self.senior_source), "partner": vars(self.junior_source) if self.junior_source else None,
+        }
+        self.log_dict(flat_metrics(report))
+        if self.trainer.is_global_zero:
+            from tandem_lit.callbacks import log_artifact
+
+            for path in write_report(report, self.pass_k, Path(self.trainer.default_root_dir) / "eval"):
+                log_artifact(self.trainer, path, "eval")
+        self.test_report = report
 
     # ---------------------------------------------------------------------------- checkpointing
 
@@ -449,3 +537,21 @@ class TandemModule(L.LightningModule):
                     "marked": "".join(f"[{a.name[0]}]{t}" for a, t in spans),
                 }
                 f.write(json.dumps(record) + "\n")
+
+
+def default_engine(senior: nn.Module, junior: nn.Module | None) -> RolloutEngine:
+    """FastEngine where it supports both models; otherwise HFEngine, said loudly (never silently)."""
+    from tandem_lit.errors import ConfigError
+    from tandem_lit.rollout.fast import StaticDecoderModel
+
+    try:
+        for model in (senior, junior):
+            if model is not None:
+                StaticDecoderModel(model)
+    except ConfigError as reason:
+        log.warning("FALLING BACK to HFEngine (the slow reference engine): %s", reason)
+        return HFEngine()
+    from tandem_lit.rollout.fast import FastEngine
+
+    return FastEngine()
+

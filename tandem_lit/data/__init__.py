@@ -2,5 +2,13 @@
 
 from tandem_lit.data.base import PromptDataModule, PromptRows, SeededBatches
 from tandem_lit.data.gsm8k import GSM8KDataModule
+from tandem_lit.data.math import DeepScaleRDataModule, MathEvalDataModule
 
-__all__ = ["GSM8KDataModule", "PromptDataModule", "PromptRows", "SeededBatches"]
+__all__ = [
+    "DeepScaleRDataModule",
+    "GSM8KDataModule",
+    "MathEvalDataModule",
+    "PromptDataModule",
+    "PromptRows",
+    "SeededBatches",
+]

@@ -22,14 +22,34 @@ from tandem_lit.errors import ConfigError, DataError
 Split = Literal["train", "val", "test"]
 
 
-class PromptRows(list):
-    """One batch of rows, tagged with where it came from so the module can mark it consumed."""
+class PromptRows:
+    """One batch of rows, tagged with where it came from so the module can mark it consumed.
+
+    Deliberately not a ``list``: Lightning moves a batch to the device by rebuilding every list
+    it finds (``type(batch)(items)``), which would drop the tags, so that the loader's position
+    never moved and every step drew the seeds of step 0. A plain object passes through as is.
+    """
 
     def __init__(self, rows: list[dict[str, Any]], source: SeededBatches | None = None, epoch: int = 0, index: int = 0):
-        super().__init__(rows)
+        self.rows = list(rows)
         self.source = source
         self.epoch = epoch
         self.index = index
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return iter(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+    def __eq__(self, other: object) -> bool:
+        return self.rows == (other.rows if isinstance(other, PromptRows) else other)
+
+    def __repr__(self) -> str:
+        return f"PromptRows({len(self.rows)} rows, epoch={self.epoch}, index={self.index})"
 
     def mark_consumed(self) -> None:
         if self.source is not None:

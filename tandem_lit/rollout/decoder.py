@@ -153,7 +153,7 @@ class TandemDecoder:
         s.decisions.add_((boundary & live).long())
         s.junior_draws.add_((boundary & live & (drawn == Author.JUNIOR)).long())
         s.handoffs.add_((switched & live).long())
-        s.span_len.copy_(torch.where(switched, 1, s.span_len + 1))
+        s.span_len.copy_(torch.where(boundary, 1, s.span_len + 1))  # a draw starts a new span
         s.author.copy_(new_author)
         return torch.where(switched, switch_token, candidate)
 

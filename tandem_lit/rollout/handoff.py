@@ -15,6 +15,7 @@ break; a paragraph starts at the first non-blank token after a blank line.
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Literal
@@ -25,8 +26,9 @@ from torch import Tensor
 from tandem_lit.errors import ConfigError
 from tandem_lit.rollout.record import Author
 
-_SENTENCE_END = (".", "?", "!")
 _CLOSERS = "\"')]}»”’"
+# .?! then only whitespace and closing quotes/brackets up to the end of the text
+_SENTENCE_END = re.compile(r"[.?!][\s" + re.escape(_CLOSERS) + r"]*$")
 
 
 @dataclass
@@ -36,7 +38,8 @@ class TokenClasses:
     starts_ws: Tensor  # bool, text begins with whitespace
     starts_newline: Tensor  # bool, text begins with a line break
     ws_only: Tensor  # bool, text is non-empty whitespace
-    ends_sentence: Tensor  # bool, text ends with . ? ! (closing quotes allowed after)
+    ends_sentence: Tensor  # bool, text ends with . ? ! (whitespace and closing quotes allowed after)
+    closes: Tensor  # bool, text is only closing quotes/brackets (and whitespace): a sentence end carries on
     trailing_newlines: Tensor  # long, line breaks at the end of the text (spaces between allowed)
     newlines: Tensor  # long, line breaks anywhere in the text
     special: Tensor  # bool, special tokens (end of sequence, padding, ...)
@@ -55,7 +58,8 @@ class TokenClasses:
             starts_ws=flags(lambda t: t[:1].isspace()),
             starts_newline=flags(lambda t: t[:1] in ("\n", "\r")),
             ws_only=flags(lambda t: t != "" and t.isspace()),
-            ends_sentence=flags(lambda t: t.rstrip(" \t").rstrip(_CLOSERS).endswith(_SENTENCE_END)),
+            ends_sentence=flags(lambda t: _SENTENCE_END.search(t)),
+            closes=flags(lambda t: t.strip() != "" and t.strip().strip(_CLOSERS) == ""),
             trailing_newlines=counts(_trailing_newlines),
             newlines=counts(lambda t: t.count("\n")),
             special=special,
@@ -74,8 +78,8 @@ class TokenClasses:
 
 
 def _trailing_newlines(text: str) -> int:
-    stripped = text.rstrip(" \t")
-    return len(stripped) - len(stripped.rstrip("\n\r").replace("\r", ""))
+    """Line breaks in the whitespace that ends ``text`` (a blank line holding spaces counts too)."""
+    return text[len(text.rstrip()):].count("\n")
 
 
 def token_texts(tokenizer) -> list[str]:
@@ -175,15 +179,28 @@ class _WordStart(BoundaryRule):
 
 
 class _SentenceStart(_WordStart):
-    # carry = 1 after a token ending a sentence (whitespace-only tokens keep the carry)
+    # carry = ended + 2 * line: ``ended`` = the text so far ends with .?! (then only whitespace or
+    # closing quotes); ``line`` = it ends with a line break (then only whitespace). A line break
+    # may sit inside a token (".\n\n"), so both come from the token texts, not from single tokens.
     def update(self, carry: Tensor, token: Tensor) -> Tensor:
         c = self.classes
-        return torch.where(c.ws_only[token], carry, c.ends_sentence[token].long())
+        ended = torch.where(c.ws_only[token] | c.closes[token], carry & 1, c.ends_sentence[token].long())
+        line = (c.trailing_newlines[token] > 0) | (c.ws_only[token] & (carry >= 2))
+        return ended + 2 * line.long()
 
     def at_boundary(self, carry: Tensor, candidate: Tensor) -> Tensor:
         c = self.classes
-        after_sentence = (carry > 0) & c.starts_ws[candidate]
-        return (after_sentence | c.starts_newline[candidate]) & ~c.special[candidate]
+        after_line = (carry >= 2) & ~c.ws_only[candidate]
+        after_sentence = ((carry & 1) == 1) & c.starts_ws[candidate]
+        return (after_line | after_sentence | c.starts_newline[candidate]) & ~c.special[candidate]
+
+    def start_allowed(self, carry: Tensor) -> Tensor:  # [B, V]
+        # Where the boundary is a line break inside a sentence, the new author must not start
+        # with a plain space: that would begin its span mid-sentence.
+        c = self.classes
+        after_line = (carry >= 2).unsqueeze(-1)
+        after_sentence = ((carry & 1) == 1).unsqueeze(-1) & c.starts_ws
+        return after_line | after_sentence | c.starts_newline | c.special
 
 
 class _ParagraphStart(BoundaryRule):

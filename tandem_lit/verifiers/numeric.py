@@ -8,7 +8,8 @@ from typing import Any
 
 from tandem_lit.verifiers.base import Grade, Verifier
 
-_NUMBER = re.compile(r"-?\$?\s*(?:\d[\d,]*(?:\.\d+)?|\.\d+)")
+# an exponent is part of the number: "2.55e-10" must not be read as 2.55
+_NUMBER = re.compile(r"-?\$?\s*(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?")
 
 
 def normalize_number(text: str) -> str | None:

@@ -1,0 +1,140 @@
+"""Solo and handoff evaluation: per-dataset tallies, pass@k, and the report files.
+
+``tandem-lit test`` runs, for every problem of every eval set, ``n`` solo samples of the model
+under test and ``n`` handoff samples (the model and its partner alternate spans, the model
+writes first, one shared token budget), then reports per set and macro-averaged:
+
+- solo and handoff pass@k (unbiased estimator) and their ratio,
+- truncation rate and mean length of both,
+- legibility: the partner's mean per-token cross-entropy (nats) on the model's solo solutions.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tandem_lit.metrics import pass_at_k
+
+
+@dataclass
+class DatasetTally:
+    """Everything measured on one eval set (lists grow batch by batch)."""
+
+    solo_correct: list[int] = field(default_factory=list)  # per problem: correct samples of n
+    handoff_correct: list[int] = field(default_factory=list)
+    n: int = 0
+    solo_lengths: list[int] = field(default_factory=list)  # per sample
+    handoff_lengths: list[int] = field(default_factory=list)
+    solo_truncated: list[bool] = field(default_factory=list)
+    handoff_truncated: list[bool] = field(default_factory=list)
+    partner_nll: float = 0.0  # summed over the solo solutions' tokens
+    partner_tokens: int = 0
+
+    def pass_at(self, k: int, handoff: bool) -> float:
+        counts = self.handoff_correct if handoff else self.solo_correct
+        return sum(pass_at_k(self.n, c, k) for c in counts) / len(counts) if counts else float("nan")
+
+
+def _mean(values: list) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def summarize(tallies: dict[str, DatasetTally], ks: list[int]) -> dict:
+    """Per-dataset and macro-averaged numbers (nan where a number does not apply)."""
+    report: dict = {"datasets": {}, "macro": {}}
+    for name, tally in tallies.items():
+        row: dict[str, float] = {"problems": len(tally.solo_correct), "n": tally.n}
+        for k in ks:
+            if k > tally.n:
+                continue
+            solo, handoff = tally.pass_at(k, False), tally.pass_at(k, True)
+            row[f"solo_pass@{k}"] = solo
+            row[f"handoff_pass@{k}"] = handoff if tally.handoff_correct else float("nan")
+            row[f"handoff_solo_ratio@{k}"] = handoff / solo if tally.handoff_correct and solo > 0 else float("nan")
+        row["solo_truncation_rate"] = _mean(tally.solo_truncated)
+        row["handoff_truncation_rate"] = _mean(tally.handoff_truncated)
+        row["solo_mean_length"] = _mean(tally.solo_lengths)
+        row["handoff_mean_length"] = _mean(tally.handoff_lengths)
+        row["legibility_nats"] = tally.partner_nll / tally.partner_tokens if tally.partner_tokens else float("nan")
+        report["datasets"][name] = row
+    keys = sorted({k for row in report["datasets"].values() for k in row if k not in ("problems", "n")})
+    for key in keys:
+        values = [row[key] for row in report["datasets"].values() if key in row and not math.isnan(row[key])]
+        report["macro"][key] = sum(values) / len(values) if values else float("nan")
+    return report
+
+
+def flat_metrics(report: dict, prefix: str = "test") -> dict[str, float]:
+    """``test/<dataset>/<metric>`` and ``test/macro/<metric>`` for loggers."""
+    out = {}
+    for name, row in [*report["datasets"].items(), ("macro", report["macro"])]:
+        for key, value in row.items():
+            if isinstance(value, (int, float)) and not math.isnan(value):
+                out[f"{prefix}/{name}/{key.replace('@', '_at_')}"] = float(value)  # MLflow refuses '@'
+    return out
+
+
+def markdown_table(report: dict, ks: list[int]) -> str:
+    """Pass@k in %, the handoff/solo ratio at the largest k measured, truncation in %, length in
+    tokens, legibility in nats per token."""
+    measured = [k for k in ks if f"solo_pass@{k}" in report["macro"]]
+    columns = [f"solo_pass@{k}" for k in measured] + [f"handoff_pass@{k}" for k in measured]
+    if measured:
+        columns.append(f"handoff_solo_ratio@{measured[-1]}")
+    columns += ["solo_truncation_rate", "handoff_truncation_rate", "solo_mean_length", "legibility_nats"]
+    header = "| set | problems | " + " | ".join(columns) + " |"
+    lines = [header, "|" + "---|" * (len(columns) + 2)]
+    rows = [*report["datasets"].items(), ("**macro**", {**report["macro"], "problems": ""})]
+    for name, row in rows:
+        cells = [_cell(row.get(c), c) for c in columns]
+        lines.append(f"| {name} | {row.get('problems', '')} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _cell(value, column: str = "") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if "pass@" in column or "rate" in column:
+        return f"{100 * value:.1f}"
+    return f"{value:.2f}" if isinstance(value, float) else str(value)
+
+
+def plot_pass_at_k(report: dict, ks: list[int], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [*report["datasets"], "macro"]
+    rows = [*report["datasets"].values(), report["macro"]]
+    fig, axes = plt.subplots(1, len(names), figsize=(3.2 * len(names), 3.2), sharey=True, squeeze=False)
+    for ax, name, row in zip(axes[0], names, rows):
+        usable = [k for k in ks if f"solo_pass@{k}" in row]
+        ax.plot(usable, [100 * row[f"solo_pass@{k}"] for k in usable], marker="o", label="solo")
+        if all(not math.isnan(row.get(f"handoff_pass@{k}", float("nan"))) for k in usable):
+            ax.plot(usable, [100 * row[f"handoff_pass@{k}"] for k in usable], marker="s", label="handoff")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(usable, [str(k) for k in usable])
+        ax.set_title(name)
+        ax.set_xlabel("k")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("pass@k (%)")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_report(report: dict, ks: list[int], folder: Path) -> list[Path]:
+    """results.json, results.md and pass_at_k.png in ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    json_path = folder / "results.json"
+    json_path.write_text(json.dumps(report, indent=2, default=float))
+    md_path = folder / "results.md"
+    md_path.write_text(markdown_table(report, ks))
+    return [json_path, md_path, plot_pass_at_k(report, ks, folder / "pass_at_k.png")]

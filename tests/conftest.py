@@ -1,0 +1,63 @@
+"""Shared fixtures: the repository root, character tokenizers and tiny real Llama models.
+
+Models are ordinary ``transformers`` models built from small configs with random weights, so
+every test runs the same code paths a hub model would, on CPU, in milliseconds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem_lit.tiny import char_tokenizer, tiny_llama_config
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# Few characters, so that a random model writes spaces, full stops, line breaks and end tokens
+# often: handoff boundaries and finished rollouts show up within a couple of dozen tokens.
+SMALL_ALPHABET = "abcde .\n"
+
+torch.set_num_threads(1)  # the CI machine is small and shared; tiny models gain nothing from threads
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def char_tok():
+    """The full printable-ASCII character tokenizer the tiny configs use (100 tokens)."""
+    return char_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def small_tok():
+    """A character tokenizer over SMALL_ALPHABET (12 tokens: 4 special + 8 characters)."""
+    return char_tokenizer(SMALL_ALPHABET)
+
+
+def tiny_llama(vocab_size: int, seed: int, init_range: float = 0.5, **config_overrides):
+    """A random tiny LlamaForCausalLM in eval mode. A wide init makes greedy text varied."""
+    from transformers import LlamaForCausalLM
+
+    config = tiny_llama_config(vocab_size, **config_overrides)
+    config.initializer_range = init_range
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def small_model(small_tok):
+    """Tiny Llama over ``small_tok`` whose greedy text has spaces, stops and end tokens."""
+    return tiny_llama(len(small_tok), seed=0)
+
+
+@pytest.fixture(scope="session")
+def other_small_model(small_tok):
+    """A second, different tiny Llama over the same tokenizer (a real junior)."""
+    return tiny_llama(len(small_tok), seed=1, hidden=32, layers=1, heads=2, kv_heads=1)

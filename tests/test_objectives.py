@@ -1,0 +1,310 @@
+"""Objectives: losses and gradients against hand-computed values, authorship weights, micro-batching,
+and failing closed on missing or malformed authorship."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tandem_lit.errors import ConfigError
+from tandem_lit.objectives import (
+    GRPO,
+    AuthorshipError,
+    ObjectiveInputs,
+    Reinforce,
+    SoftMaskedReinforce,
+    token_weights,
+)
+from tandem_lit.objectives.base import AGGREGATIONS
+from tandem_lit.rollout.record import Author
+
+S, J, P, PROMPT = int(Author.SENIOR), int(Author.JUNIOR), int(Author.PAD), int(Author.PROMPT)
+
+# Three rollouts of three tokens (row 1 ended after two). Log-probs are the leaf we differentiate.
+LOGP = [[-1.0, -2.0, -0.5], [-0.2, -1.5, -9.0], [-3.0, -0.1, -0.4]]
+AUTHOR = [[S, J, S], [S, S, P], [J, S, S]]
+
+
+def inputs(rewards, logp=LOGP, author=AUTHOR, group=None, **extra) -> ObjectiveInputs:
+    logp = torch.tensor(logp, requires_grad=True)
+    author = torch.tensor(author, dtype=torch.int8) if author is not None else None
+    rewards = torch.tensor(rewards, dtype=torch.float32)
+    group = torch.tensor(group if group is not None else list(range(len(rewards))))
+    return ObjectiveInputs(logp=logp, author=author, rewards=rewards, group=group, **extra)
+
+
+def loss_and_grad(objective, batch: ObjectiveInputs, scale=None):
+    loss, metrics = objective(batch, scale)
+    (grad,) = torch.autograd.grad(loss, batch.logp)
+    return loss.item(), grad, metrics
+
+
+def close(actual, expected, tol=1e-6):
+    expected = torch.as_tensor(expected, dtype=torch.float32)
+    assert torch.allclose(torch.as_tensor(actual, dtype=torch.float32), expected, atol=tol, rtol=0), (actual, expected)
+
+
+# --------------------------------------------------------------------------------- REINFORCE
+
+
+def test_reinforce_positive_only_hand_computed():
+    """Rewards [1, 0, 1], junior tokens unmasked (j=1): rows 0 and 2 enter, row 1 is discarded
+    from the loss AND the normaliser. Token weights: 3 + 3 = 6.
+    loss = -(1*(-1 - 2 - 0.5) + 1*(-3 - 0.1 - 0.4)) / 6 = 7/6; d loss / d logp = -1/6 on rows 0, 2."""
+    loss, grad, metrics = loss_and_grad(Reinforce(), inputs([1.0, 0.0, 1.0]))
+    close(loss, 7 / 6)
+    close(grad, [[-1 / 6] * 3, [0, 0, 0], [-1 / 6] * 3])
+    assert metrics["included_fraction"] == pytest.approx(2 / 3)
+    # the discarded rollout's log-probs do not matter at all
+    other = [LOGP[0], [-50.0, -50.0, -50.0], LOGP[2]]
+    assert loss_and_grad(Reinforce(), inputs([1.0, 0.0, 1.0], logp=other))[0] == pytest.approx(loss)
+
+
+def test_reinforce_junior_weight_and_graded_reward():
+    """j=0.2, rewards [0.5, 0, 1]: weights row0 [1, .2, 1], row2 [.2, 1, 1], W = 4.4.
+    loss = -(0.5*(-1 - 0.4 - 0.5) + 1*(-0.6 - 0.1 - 0.4)) / 4.4 = (0.95 + 1.1) / 4.4."""
+    loss, grad, _ = loss_and_grad(Reinforce(junior_weight=0.2), inputs([0.5, 0.0, 1.0]))
+    close(loss, (0.95 + 1.1) / 4.4)
+    close(grad, [[-0.5 / 4.4, -0.5 * 0.2 / 4.4, -0.5 / 4.4], [0, 0, 0], [-0.2 / 4.4, -1 / 4.4, -1 / 4.4]])
+
+
+def test_soft_masked_reinforce_hand_computed():
+    """c=-0.5, j=0.2 (the paper's skill-gap values), rewards [1, 0, 1]: every rollout enters.
+    Weights row0 [1, .2, 1] row1 [1, 1, 0] row2 [.2, 1, 1]; W = 6.4.
+    Weighted log-prob sums: row0 -1.9, row1 -1.7, row2 -1.1.
+    loss = (-1*-1.9 - (-0.5)*-1.7 - 1*-1.1) / 6.4 = (1.9 - 0.85 + 1.1) / 6.4 = 2.15 / 6.4.
+    The failed rollout's gradient is +0.5 w / 6.4: its tokens are pushed down."""
+    objective = SoftMaskedReinforce()
+    assert (objective.failed_weight, objective.junior_weight) == (-0.5, 0.2)
+    loss, grad, metrics = loss_and_grad(objective, inputs([1.0, 0.0, 1.0]))
+    close(loss, 2.15 / 6.4)
+    close(grad, [[-1 / 6.4, -0.2 / 6.4, -1 / 6.4], [0.5 / 6.4, 0.5 / 6.4, 0], [-0.2 / 6.4, -1 / 6.4, -1 / 6.4]])
+    assert metrics["included_fraction"] == 1.0
+
+
+@pytest.mark.parametrize("aggregation,loss,grad", [
+    # seq-mean-token-mean: mean over 3 rows of each row's weighted token mean (row weights 2.2, 2, 2.2)
+    ("seq-mean-token-mean", (1.9 / 2.2 - 0.85 / 2 + 1.1 / 2.2) / 3,
+     [[-1 / 6.6, -0.2 / 6.6, -1 / 6.6], [0.5 / 6, 0.5 / 6, 0], [-0.2 / 6.6, -1 / 6.6, -1 / 6.6]]),
+    # seq-mean-token-sum: weighted token sum / 3 rows
+    ("seq-mean-token-sum", 2.15 / 3,
+     [[-1 / 3, -0.2 / 3, -1 / 3], [0.5 / 3, 0.5 / 3, 0], [-0.2 / 3, -1 / 3, -1 / 3]]),
+    # seq-mean-token-sum-norm (Dr. GRPO): weighted token sum / (3 rows x 3 max tokens)
+    ("seq-mean-token-sum-norm", 2.15 / 9,
+     [[-1 / 9, -0.2 / 9, -1 / 9], [0.5 / 9, 0.5 / 9, 0], [-0.2 / 9, -1 / 9, -1 / 9]]),
+    ("token-mean", 2.15 / 6.4,
+     [[-1 / 6.4, -0.2 / 6.4, -1 / 6.4], [0.5 / 6.4, 0.5 / 6.4, 0], [-0.2 / 6.4, -1 / 6.4, -1 / 6.4]]),
+])
+def test_aggregations_hand_computed(aggregation, loss, grad):
+    objective = SoftMaskedReinforce(aggregation=aggregation)
+    actual_loss, actual_grad, _ = loss_and_grad(objective, inputs([1.0, 0.0, 1.0]))
+    close(actual_loss, loss)
+    close(actual_grad, grad)
+
+
+def test_positive_only_seq_mean_counts_only_included_sequences():
+    """Positive-only with seq-mean-token-mean: 2 rows enter, each with 3 tokens of weight 1:
+    loss = (3.5/3 + 3.5/3) / 2 = 7/6 (the discarded row does not dilute the mean)."""
+    loss, grad, _ = loss_and_grad(Reinforce(aggregation="seq-mean-token-mean"), inputs([1.0, 0.0, 1.0]))
+    close(loss, 7 / 6)
+    close(grad, [[-1 / 6] * 3, [0] * 3, [-1 / 6] * 3])
+
+
+# -------------------------------------------------------------------------------------- GRPO
+
+
+def test_grpo_advantages_group_batch_none():
+    """Groups [0, 0, 1, 1], rewards [1, 0, 1, 1]. Group 0: mean 0.5, centred +-0.5, unbiased
+    std sqrt(0.5). Group 1: all equal, advantage 0. Batch std (unbiased) of [1, 0, 1, 1] is 0.5."""
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    group = torch.tensor([0, 0, 1, 1])
+    eps = 1e-6
+    a = 0.5 / (math.sqrt(0.5) + eps)
+    close(GRPO(scale_rewards="group").advantages(rewards, group), [a, -a, 0, 0])
+    close(GRPO(scale_rewards="batch").advantages(rewards, group), [0.5 / (0.5 + eps), -0.5 / (0.5 + eps), 0, 0])
+    close(GRPO(scale_rewards="none").advantages(rewards, group), [0.5, -0.5, 0, 0])
+    # group ids need not be contiguous or sorted
+    close(GRPO().advantages(rewards[[0, 2, 1, 3]], torch.tensor([7, 3, 7, 3])), [a, 0, -a, 0])
+
+
+def test_grpo_asymmetric_clip_hand_computed():
+    """clip_low 0.2, clip_high 0.28, advantages [+1, -2], old log-probs 0 so ratio = exp(logp).
+    Row 0 (A=+1) ratios [1.5, 0.5, 1.25]: 1.5 is clipped to 1.28 (no gradient); 0.5 below the range
+    is NOT clipped for a positive advantage (pessimistic bound); 1.25 is inside [0.8, 1.28]
+    (a symmetric 0.2 clip would have cut it).
+    Row 1 (A=-2) ratios [0.5, 1.5, 0.85]: 0.5 is clipped to 0.8 (no gradient); 1.5 above the range
+    is NOT clipped for a negative advantage; 0.85 is inside.
+    per-token = max(-A r, -A clip(r)):
+      row 0: [-1.28, -0.5, -1.25]   row 1: [1.6, 3.0, 1.7];   token-mean over 6 senior tokens.
+    d/dlogp = -A r where unclipped, else 0, divided by 6."""
+    ratios = torch.tensor([[1.5, 0.5, 1.25], [0.5, 1.5, 0.85]])
+    batch = inputs(
+        [0.0, 0.0], logp=ratios.log().tolist(), author=[[S, S, S], [S, S, S]],
+        old_logp=torch.zeros(2, 3), advantages=torch.tensor([1.0, -2.0]),
+    )
+    loss, grad, metrics = loss_and_grad(GRPO(clip_low=0.2, clip_high=0.28), batch)
+    close(loss, (-1.28 - 0.5 - 1.25 + 1.6 + 3.0 + 1.7) / 6, tol=1e-5)
+    close(grad, [[0, -0.5 / 6, -1.25 / 6], [0, 2 * 1.5 / 6, 2 * 0.85 / 6]], tol=1e-6)
+    assert metrics["clip_fraction"] == pytest.approx(2 / 6)
+    # symmetric clipping cuts the 1.25 ratio of the positive row as well
+    batch.logp.grad = None
+    loss_sym, grad_sym, _ = loss_and_grad(GRPO(clip_low=0.2, clip_high=0.2), batch)
+    close(loss_sym, (-1.28 + 0.08 - 0.5 - 1.2 + 1.6 + 3.0 + 1.7) / 6, tol=1e-5)  # row0 tok0 clips at 1.2
+    close(grad_sym[0], [0, -0.5 / 6, 0])
+
+
+def test_grpo_on_policy_is_the_policy_gradient_and_junior_tokens_masked_by_default():
+    """On-policy (no old log-probs) the ratio is 1 and d loss / d logp = -A w / W. GRPO's default
+    junior weight is 0 (Tandem RLVR): junior tokens get no gradient and leave the normaliser.
+    Groups [0, 0, 1], rewards [1, 0, 1]: advantages [a, -a, 0] with a = 0.5 / (sqrt(0.5) + eps).
+    Senior tokens: row0 2, row1 2, row2 2 -> W = 6."""
+    a = 0.5 / (math.sqrt(0.5) + 1e-6)
+    loss, grad, _ = loss_and_grad(GRPO(), inputs([1.0, 0.0, 1.0], group=[0, 0, 1]))
+    close(loss, (-a * 2 + a * 2) / 6)
+    close(grad, [[-a / 6, 0, -a / 6], [a / 6, a / 6, 0], [0, 0, 0]])
+
+
+def test_grpo_k3_kl_hand_computed():
+    """kl_coef 0.1, one senior token per row, on-policy, advantages given [1, 0].
+    k3 = exp(ref - logp) - (ref - logp) - 1. Row 0: logp -1, ref -1.5: delta -0.5,
+    k3 = e^-0.5 + 0.5 - 1; d k3 / d logp = 1 - e^-0.5. Row 1: logp -2, ref -1: delta 1,
+    k3 = e - 2; d k3 / d logp = 1 - e.
+    loss = (-1 + 0.1 k3_0 + 0 + 0.1 k3_1) / 2; grad = ([-1 + 0.1 (1 - e^-0.5)], [0.1 (1 - e)]) / 2."""
+    batch = inputs(
+        [0.0, 0.0], logp=[[-1.0], [-2.0]], author=[[S], [S]],
+        ref_logp=torch.tensor([[-1.5], [-1.0]]), advantages=torch.tensor([1.0, 0.0]),
+    )
+    objective = GRPO(kl_coef=0.1)
+    assert objective.uses_reference
+    k3_0 = math.exp(-0.5) + 0.5 - 1
+    k3_1 = math.e - 2
+    loss, grad, metrics = loss_and_grad(objective, batch)
+    close(loss, (-1 + 0.1 * k3_0 + 0.1 * k3_1) / 2)
+    close(grad, [[(-1 + 0.1 * (1 - math.exp(-0.5))) / 2], [0.1 * (1 - math.e) / 2]])
+    assert metrics["kl"] == pytest.approx((k3_0 + k3_1) / 2)
+    with pytest.raises(ConfigError, match="ref_logp"):
+        objective(inputs([0.0, 0.0], logp=[[-1.0], [-2.0]], author=[[S], [S]], advantages=torch.tensor([1.0, 0.0])))
+    assert not GRPO().uses_reference
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"scale_rewards": "std"}, {"clip_low": -0.1}, {"clip_high": -1}, {"kl_coef": -0.5},
+    {"aggregation": "mean"}, {"junior_weight": -1},
+])
+def test_grpo_bad_settings(kwargs):
+    with pytest.raises(ConfigError):
+        GRPO(**kwargs)
+
+
+# --------------------------------------------------------------- properties over random batches
+
+OBJECTIVES = {
+    "reinforce": lambda j, agg: Reinforce(junior_weight=j, aggregation=agg),
+    "soft": lambda j, agg: SoftMaskedReinforce(failed_weight=-0.3, junior_weight=j, aggregation=agg),
+    "grpo": lambda j, agg: GRPO(junior_weight=j, aggregation=agg, scale_rewards="group"),
+}
+
+
+def random_batch(seed: int, rows: int, width: int):
+    gen = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(rows, width, generator=gen) * 3
+    lengths = torch.randint(1, width + 1, (rows,), generator=gen)
+    author = torch.where(torch.rand(rows, width, generator=gen) < 0.4, J, S).to(torch.int8)
+    author[torch.arange(width).unsqueeze(0) >= lengths.unsqueeze(1)] = P
+    rewards = (torch.rand(rows, generator=gen) < 0.5).float()
+    group = torch.arange(rows) // 2
+    return logp, author, rewards, group
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    name=st.sampled_from(sorted(OBJECTIVES)),
+    aggregation=st.sampled_from(AGGREGATIONS),
+    j=st.sampled_from([0.0, 0.2, 0.35, 1.0]),
+    seed=st.integers(0, 2**31 - 1),
+    rows=st.integers(2, 8),
+    width=st.integers(1, 7),
+)
+def test_junior_token_gradient_is_j_times_senior(name, aggregation, j, seed, rows, width):
+    """Within a rollout every token has the same per-token loss derivative (on-policy), so the
+    gradient on a junior token is exactly j times the gradient on a senior token of that rollout,
+    and padding gets none."""
+    logp, author, rewards, group = random_batch(seed, rows, width)
+    logp.requires_grad_(True)
+    objective = OBJECTIVES[name](j, aggregation)
+    loss, _ = objective(ObjectiveInputs(logp=logp, author=author, rewards=rewards, group=group))
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert bool((grad[author == P] == 0).all())
+    for r in range(rows):
+        senior = grad[r][author[r] == S]
+        junior = grad[r][author[r] == J]
+        if senior.numel():
+            assert torch.allclose(senior, senior[0].expand_as(senior), atol=1e-7)
+            if junior.numel():
+                assert torch.allclose(junior, j * senior[0].expand_as(junior), atol=1e-7, rtol=1e-5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    name=st.sampled_from(sorted(OBJECTIVES)),
+    aggregation=st.sampled_from(AGGREGATIONS),
+    j=st.sampled_from([0.0, 0.2, 1.0]),
+    seed=st.integers(0, 2**31 - 1),
+    rows=st.integers(2, 9),
+    width=st.integers(1, 6),
+    micro=st.integers(1, 4),
+)
+def test_micro_batches_with_shared_scale_add_up_to_the_full_batch(name, aggregation, j, seed, rows, width, micro):
+    logp, author, rewards, group = random_batch(seed, rows, width)
+    objective = OBJECTIVES[name](j, aggregation)
+    advantages = objective.advantages(rewards, group)
+    scale = objective.loss_scale(author, advantages, max_tokens=width)
+
+    def run(index, with_scale):
+        part = logp[index].clone().requires_grad_(True)
+        batch = ObjectiveInputs(logp=part, author=author[index], rewards=rewards[index], group=group[index],
+                                advantages=advantages[index])
+        loss, _ = objective(batch, scale if with_scale else None)
+        (grad,) = torch.autograd.grad(loss, part)
+        return loss, grad
+
+    everything = torch.arange(rows)
+    full_loss, full_grad = run(everything, with_scale=False)
+    scaled_loss, _ = run(everything, with_scale=True)
+    assert torch.allclose(scaled_loss, full_loss, atol=1e-6)
+    parts = [run(index, with_scale=True) for index in everything.split(micro)]
+    assert torch.allclose(sum(loss for loss, _ in parts), full_loss, atol=1e-5)
+    assert torch.allclose(torch.cat([g for _, g in parts]), full_grad, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------ fail closed
+
+
+@pytest.mark.parametrize("objective", [Reinforce(), SoftMaskedReinforce(), GRPO()], ids=repr)
+@pytest.mark.parametrize("author,match", [
+    (None, "no authorship"),
+    (torch.full((3, 2), S, dtype=torch.int8), "shape"),
+    (torch.full((3, 3), float(S)), "dtype"),
+    (torch.full((3, 3), True), "dtype"),
+    (torch.tensor([[S, PROMPT, S], [S, S, P], [J, S, S]], dtype=torch.int8), r"codes \[1\]"),
+    (torch.tensor([[S, 7, S], [S, S, P], [J, S, S]]), r"codes \[7\]"),
+])
+def test_missing_or_malformed_authorship_raises(objective, author, match):
+    batch = inputs([1.0, 0.0, 1.0])
+    batch.author = author
+    with pytest.raises(AuthorshipError, match=match):
+        objective(batch)
+    if match != "shape":  # the batch normaliser fails closed too (it never sees the log-probs)
+        with pytest.raises(AuthorshipError):
+            objective.loss_scale(author, torch.ones(3), max_tokens=3)
+
+
+def test_token_weights_reads_codes():
+    author = torch.tensor([[S, J, P]], dtype=torch.int8)
+    close(token_weights(author, 0.35, like=torch.zeros(1, 3)), [[1.0, 0.35, 0.0]])
+    with pytest.raises(ConfigError):
+        Reinforce(junior_weight=-0.1)
