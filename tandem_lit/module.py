@@ -27,7 +27,7 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
-from tandem_lit.errors import ConfigError
+from tandem_lit.errors import ConfigError, TandemLitError
 from tandem_lit.evaluation import DatasetTally, flat_metrics, summarize, write_report
 from tandem_lit.metrics import JargonDetector, pass_at_k, rollout_stats
 from tandem_lit.models import (
@@ -42,7 +42,7 @@ from tandem_lit.models import (
 from tandem_lit.objectives.base import AuthorshipError, Objective, ObjectiveInputs
 from tandem_lit.rollout.engine import HFEngine, RolloutEngine
 from tandem_lit.rollout.handoff import HandoffPolicy, ParagraphHandoff, SoloHandoff
-from tandem_lit.rollout.record import Author, PromptBatch, Rollout
+from tandem_lit.rollout.record import Author, PromptBatch, Rollout, concat_rollouts
 from tandem_lit.rollout.sampling import SamplingConfig, sequence_seeds
 from tandem_lit.verifiers.base import Grade, Verifier
 
@@ -69,6 +69,55 @@ class PromptFormat:
     enable_thinking: bool | None = None
 
 
+class TrainingStalledError(TandemLitError, RuntimeError):
+    """Training cannot make progress with these settings."""
+
+
+@dataclass
+class OverlongPolicy:
+    """What a completion that ran out of tokens (truncated) contributes to training.
+
+    Args:
+        mode: ``keep`` (graded like any other), ``mask`` (left out of the loss and its normaliser,
+            DAPO's overlong filtering; it still counts in its group's reward statistics) or
+            ``penalty`` (its reward is replaced by ``penalty``).
+        penalty: The reward of a truncated completion in ``penalty`` mode.
+    """
+
+    mode: Literal["keep", "mask", "penalty"] = "keep"
+    penalty: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("keep", "mask", "penalty"):
+            raise ConfigError(f"overlong.mode must be 'keep', 'mask' or 'penalty', got {self.mode!r}")
+
+
+@dataclass
+class DynamicSampling:
+    """Train only on prompts whose rollouts disagree (DAPO's dynamic sampling).
+
+    A group whose rewards are all equal has zero GRPO advantage: it costs generation and teaches
+    nothing. Each step generates for ``prompts_per_step`` prompts, drops such groups, and refills
+    from the rest of the data batch (the batch is the pool: make it larger than
+    ``prompts_per_step``) for at most ``max_rounds`` rounds. Logged: kept and dropped groups and
+    rounds per step; a step with no informative group makes no update.
+
+    Args:
+        prompts_per_step: Groups to train on per step.
+        max_rounds: Generation rounds per step at most.
+        max_idle_steps: Stop the run with an error after this many consecutive steps without an
+            informative group (the task is all solved or all failed: training would never move).
+    """
+
+    prompts_per_step: int
+    max_rounds: int = 3
+    max_idle_steps: int = 20
+
+    def __post_init__(self) -> None:
+        if min(self.prompts_per_step, self.max_rounds, self.max_idle_steps) < 1:
+            raise ConfigError("dynamic_sampling.prompts_per_step, max_rounds and max_idle_steps must be >= 1")
+
+
 @dataclass
 class RolloutResult:
     """A batch of rollouts with their grades."""
@@ -85,6 +134,31 @@ class RolloutResult:
     @property
     def correct(self) -> list[bool]:
         return [g.correct for g in self.grades]
+
+    def groups_with_spread(self) -> list[int]:
+        """Prompt indices whose rollouts did not all get the same reward."""
+        rewards = self.rewards
+        return [int(g) for g in self.group.unique() if rewards[self.group == g].unique().numel() > 1]
+
+    def keep_groups(self, groups: list[int], offset: int) -> RolloutResult:
+        """The rollouts of these prompts, renumbered from ``offset``."""
+        rows = [i for i, g in enumerate(self.group.tolist()) if g in set(groups)]
+        renumber = {g: offset + i for i, g in enumerate(groups)}
+        return RolloutResult(
+            rollout=self.rollout.select(rows),
+            grades=[self.grades[i] for i in rows],
+            group=torch.tensor([renumber[int(self.group[i])] for i in rows], dtype=torch.long),
+            columns={name: [values[i] for i in rows] for name, values in self.columns.items()},
+        )
+
+
+def concat_results(parts: list[RolloutResult], pad_token_id: int) -> RolloutResult:
+    return RolloutResult(
+        rollout=concat_rollouts([p.rollout for p in parts], pad_token_id),
+        grades=[g for p in parts for g in p.grades],
+        group=torch.cat([p.group for p in parts]),
+        columns={name: [v for p in parts for v in p.columns[name]] for name in parts[0].columns},
+    )
 
 
 class TandemModule(L.LightningModule):
@@ -110,6 +184,11 @@ class TandemModule(L.LightningModule):
         mini_batch_size: Prompts per optimiser update (None: the whole step batch, one update).
         micro_batch_size: Sequences per forward/backward pass (gradient accumulation).
         max_grad_norm: Clip the gradient norm (None: no clipping).
+        max_prompt_tokens: Training skips prompts longer than this (after the chat template),
+            counted in ``train/skipped_long_prompts`` (verl's overlong-prompt filter). Evaluation
+            never skips. None: no limit.
+        overlong: What truncated completions contribute (keep, mask, penalty).
+        dynamic_sampling: Drop prompt groups whose rewards all agree and refill (None: off).
         prompt_format: Chat template use.
         eval_modes: Validation runs each: ``senior`` alone, ``junior`` alone, ``tandem`` (the
             training handoff). Metrics are logged as ``eval/<mode>_<metric>``.
@@ -140,6 +219,9 @@ class TandemModule(L.LightningModule):
         mini_batch_size: int | None = None,
         micro_batch_size: int = 16,
         max_grad_norm: float | None = 1.0,
+        max_prompt_tokens: int | None = None,
+        overlong: OverlongPolicy | None = None,
+        dynamic_sampling: DynamicSampling | None = None,
         prompt_format: PromptFormat | None = None,
         eval_modes: list[EvalMode] | None = None,
         evaluate_at_start: bool = True,
@@ -169,6 +251,9 @@ class TandemModule(L.LightningModule):
         self.mini_batch_size = mini_batch_size
         self.micro_batch_size = micro_batch_size
         self.max_grad_norm = max_grad_norm
+        self.max_prompt_tokens = max_prompt_tokens
+        self.overlong = overlong or OverlongPolicy()
+        self.dynamic_sampling = dynamic_sampling
         self.prompt_format = prompt_format or PromptFormat()
         self.eval_modes = list(eval_modes) if eval_modes is not None else (["senior"] if junior is None else ["senior", "tandem", "junior"])
         self.evaluate_at_start = evaluate_at_start
@@ -260,6 +345,7 @@ class TandemModule(L.LightningModule):
         seeds = sequence_seeds(sampling.seed, key, len(texts))
         prompts = PromptBatch(encoded["input_ids"], encoded["attention_mask"], seeds).to(self.device)
         rollout = self.ready_engine().generate(prompts, policy, sampling)
+        self.check_authorship(rollout, policy)
         columns = {name: [row[name] for row in rows for _ in range(sampling.n)] for name in rows[0] if name != "prompt"}
         grades = self.verifier.grade_batch(rollout.texts, **columns)
         group = torch.arange(len(rows)).repeat_interleave(sampling.n)
@@ -290,20 +376,32 @@ class TandemModule(L.LightningModule):
     def training_step(self, batch: list[dict[str, Any]], batch_idx: int) -> None:
         started = time.perf_counter()
         key = getattr(batch, "epoch", 0) * 1_000_003 + getattr(batch, "index", batch_idx)
-        result = self.rollout(batch, self.handoff, self.sampling, key)
-        self.check_authorship(result.rollout, self.handoff)
+        rows, skipped = self.prompts_that_fit(batch)
+        if not rows:
+            result, sampling_stats = None, {}
+        elif self.dynamic_sampling is None:
+            result, sampling_stats = self.rollout(rows, self.handoff, self.sampling, key), {}
+        else:
+            result, sampling_stats = self.informative_rollouts(rows, key)
+        if self.max_prompt_tokens is not None:
+            sampling_stats["skipped_long_prompts"] = float(skipped)
         generated = time.perf_counter()
-        update_metrics = self.optimise(result)
-        stats = rollout_stats(result.rollout, result.rewards, result.correct, result.group, self.jargon)
-        stats.update(update_metrics)
+        if result is None:
+            stats = dict(sampling_stats, skipped_update=1.0)
+        else:
+            update_metrics = self.optimise(result)
+            stats = rollout_stats(result.rollout, result.rewards, result.correct, result.group, self.jargon)
+            stats.update(update_metrics)
+            stats.update(sampling_stats)
+            stats["tokens_per_second"] = float(result.rollout.lengths.sum()) / max(generated - started, 1e-9)
         stats["rollout_seconds"] = generated - started
         stats["update_seconds"] = time.perf_counter() - generated
-        stats["tokens_per_second"] = float(result.rollout.lengths.sum()) / max(generated - started, 1e-9)
         row = {f"train/{k}": v for k, v in stats.items()}
         self.log_dict(row, batch_size=len(batch), logger=False)  # for callbacks (monitor, progress bar)
-        self.log("reward", stats["reward_mean"], prog_bar=True, batch_size=len(batch), logger=False)
+        if result is not None:
+            self.log("reward", stats["reward_mean"], prog_bar=True, batch_size=len(batch), logger=False)
+            self.write_completions(result, "train")
         self.log_metrics_at_update(row)
-        self.write_completions(result, "train")
         if hasattr(batch, "mark_consumed"):  # before ModelCheckpoint saves, in on_train_batch_end
             batch.mark_consumed()
 
@@ -314,9 +412,52 @@ class TandemModule(L.LightningModule):
             logger.log_metrics(row, step=self.global_step)
         self.history.append({"step": self.global_step, **row})
 
+    def prompts_that_fit(self, rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+        """The rows whose formatted prompt fits ``max_prompt_tokens``, and how many were skipped."""
+        if self.max_prompt_tokens is None:
+            return list(rows), 0
+        texts = [self.format_prompt(row["prompt"]) for row in rows]
+        chat = texts[0] != rows[0]["prompt"]
+        lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=not chat)["input_ids"]]
+        kept = [row for row, n in zip(rows, lengths) if n <= self.max_prompt_tokens]
+        return kept, len(rows) - len(kept)
+
+    def informative_rollouts(self, pool: list[dict[str, Any]], key: int) -> tuple[RolloutResult | None, dict[str, float]]:
+        """Dynamic sampling: rollouts of up to ``prompts_per_step`` prompts whose rewards differ."""
+        target, kept, dropped, rounds, start = self.dynamic_sampling.prompts_per_step, [], 0, 0, 0
+        while sum(len(part.group.unique()) for part in kept) < target and start < len(pool) and rounds < self.dynamic_sampling.max_rounds:
+            need = target - sum(len(part.group.unique()) for part in kept)
+            rows = pool[start : start + need]
+            start += len(rows)
+            result = self.rollout(rows, self.handoff, self.sampling, key * 16 + rounds)
+            rounds += 1
+            useful = result.groups_with_spread()
+            dropped += len(rows) - len(useful)
+            if useful:
+                kept.append(result.keep_groups(useful, offset=sum(len(p.group.unique()) for p in kept)))
+        stats = {"sampling_rounds": float(rounds), "dropped_groups": float(dropped),
+                 "kept_groups": float(sum(len(p.group.unique()) for p in kept))}
+        if kept:
+            self._idle_steps = 0
+            return concat_results(kept, self.engine.pad_token_id), stats
+        self._idle_steps = getattr(self, "_idle_steps", 0) + 1
+        log.warning("dynamic sampling found no prompt with differing rewards in %d rounds: no update this step", rounds)
+        if self._idle_steps >= self.dynamic_sampling.max_idle_steps:
+            raise TrainingStalledError(
+                f"dynamic sampling found no prompt whose rollouts got different rewards in {self._idle_steps} "
+                "consecutive steps, so no update can happen: every group is all-correct or all-wrong. Use easier "
+                "or harder data, more rollouts per prompt (sampling.n), or turn dynamic_sampling off."
+            )
+        return None, stats
+
     def optimise(self, result: RolloutResult) -> dict[str, float]:
         """Objective and optimiser updates on one batch of graded rollouts."""
-        rollout, rewards, group = result.rollout, result.rewards.to(self.device), result.group.to(self.device)
+        rollout, group = result.rollout, result.group.to(self.device)
+        rewards = result.rewards.to(self.device)
+        truncated = rollout.truncated.to(self.device)
+        if self.overlong.mode == "penalty":
+            rewards = torch.where(truncated, self.overlong.penalty, rewards)
+        allowed = ~truncated if self.overlong.mode == "mask" else None
         optimizer = self.optimizers()
         prompts = int(group.max()) + 1
         per_update = self.mini_batch_size or prompts
@@ -326,7 +467,8 @@ class TandemModule(L.LightningModule):
         ref_logp = self.reference_logprobs(rollout) if self.objective.uses_reference else None
         totals: dict[str, float] = {}
         for rows in updates:
-            scale = self.objective.loss_scale(rollout.author[rows], advantages[rows], self.sampling.max_new_tokens)
+            mask = allowed[rows] if allowed is not None else None
+            scale = self.objective.loss_scale(rollout.author[rows], advantages[rows], self.sampling.max_new_tokens, mask)
             optimizer.zero_grad()
             for micro in rows.split(self.micro_batch_size):
                 part = rollout.select(micro)
@@ -338,6 +480,7 @@ class TandemModule(L.LightningModule):
                     old_logp=old_logp[micro] if old_logp is not None else None,
                     ref_logp=ref_logp[micro] if ref_logp is not None else None,
                     advantages=advantages[micro],
+                    mask=allowed[micro] if allowed is not None else None,
                 )
                 loss, metrics = self.objective(inputs, scale)
                 self.manual_backward(loss)
@@ -541,7 +684,6 @@ class TandemModule(L.LightningModule):
 
 def default_engine(senior: nn.Module, junior: nn.Module | None) -> RolloutEngine:
     """FastEngine where it supports both models; otherwise HFEngine, said loudly (never silently)."""
-    from tandem_lit.errors import ConfigError
     from tandem_lit.rollout.fast import StaticDecoderModel
 
     try:

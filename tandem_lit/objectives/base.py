@@ -42,6 +42,7 @@ class ObjectiveInputs:
     old_logp: Tensor | None = None  # [N, T] log-probs when the rollouts were drawn (None: on-policy)
     ref_logp: Tensor | None = None  # [N, T] reference-policy log-probs, for the KL penalty
     advantages: Tensor | None = None  # [N] precomputed over the whole batch (else from rewards/group)
+    mask: Tensor | None = None  # [N] bool, sequences allowed into the loss (e.g. not truncated); None = all
 
 
 @dataclass
@@ -114,16 +115,16 @@ class Objective(ABC):
     def token_loss(self, inputs: ObjectiveInputs, advantages: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         """Per-token loss before weighting  # -> [N, T], metrics"""
 
-    def loss_scale(self, author: Tensor | None, advantages: Tensor, max_tokens: int) -> LossScale:
+    def loss_scale(self, author: Tensor | None, advantages: Tensor, max_tokens: int, mask: Tensor | None = None) -> LossScale:
         """Normalisers over a whole optimiser batch (pass the same to each micro-batch)."""
-        keep = self.included(advantages)
+        keep = self.included(advantages) if mask is None else self.included(advantages) & mask
         weights = token_weights(author, self.junior_weight, like=author if author is not None else advantages)
         return LossScale(weight_sum=float(weights[keep].sum()), sequences=int(keep.sum()), max_tokens=max_tokens)
 
     def __call__(self, inputs: ObjectiveInputs, scale: LossScale | None = None) -> tuple[Tensor, dict[str, float]]:
         weights = token_weights(inputs.author, self.junior_weight, like=inputs.logp)
         advantages = inputs.advantages if inputs.advantages is not None else self.advantages(inputs.rewards, inputs.group)
-        keep = self.included(advantages)
+        keep = self.included(advantages) if inputs.mask is None else self.included(advantages) & inputs.mask
         weights = weights * keep.unsqueeze(-1)
         if scale is None:
             scale = LossScale(float(weights.sum()), int(keep.sum()), inputs.logp.shape[1])
@@ -150,6 +151,3 @@ class Objective(ABC):
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
         return f"{type(self).__name__}({fields})"
 
-
-def masked_mean(values: Tensor, weights: Tensor) -> Tensor:
-    return (values * weights).sum() / weights.sum().clamp_min(1e-8)

@@ -28,7 +28,9 @@ class DecodeState:
     author: Tensor  # long, author of the current span (SENIOR / JUNIOR)
     span_len: Tensor  # long, tokens written in the current span
     carry: Tensor  # long, the boundary rule's state (e.g. trailing line breaks)
-    finished: Tensor  # bool, an end-of-sequence token was appended
+    finished: Tensor  # bool, the sequence stopped (end-of-sequence token, or the span limit)
+    ended: Tensor  # bool, it stopped with an end-of-sequence token (else it is truncated)
+    spans: Tensor  # long, spans started so far
     handoffs: Tensor  # long, author switches
     decisions: Tensor  # long, author draws
     junior_draws: Tensor  # long, draws that picked the junior
@@ -69,8 +71,8 @@ class TandemDecoder:
             return torch.zeros(batch_size, dtype=dtype, device=device)
 
         self.state = DecodeState(
-            author=zeros(), span_len=zeros(), carry=zeros(), finished=zeros(torch.bool),
-            handoffs=zeros(), decisions=zeros(), junior_draws=zeros(),
+            author=zeros(), span_len=zeros(), carry=zeros(), finished=zeros(torch.bool), ended=zeros(torch.bool),
+            spans=zeros(), handoffs=zeros(), decisions=zeros(), junior_draws=zeros(),
         )
 
     def reset(self, seeds: Tensor) -> None:
@@ -80,8 +82,9 @@ class TandemDecoder:
         self.tokens.fill_(self.pad_token_id)
         self.authors.zero_()
         self.logprobs.zero_()
-        for buffer in (s.span_len, s.carry, s.finished, s.handoffs):
+        for buffer in (s.span_len, s.carry, s.finished, s.ended, s.handoffs):
             buffer.zero_()
+        s.spans.fill_(1)
         if self.policy.first_author == "draw":
             junior = uniform(self.seeds, 0, _FIRST_AUTHOR) < self.policy.p
             s.author.copy_(torch.where(junior, int(Author.JUNIOR), int(Author.SENIOR)))
@@ -133,7 +136,8 @@ class TandemDecoder:
             self.logprobs.index_copy_(1, index, torch.where(live.unsqueeze(-1), logprob, 0.0))
         s.carry.copy_(self.rule.update(s.carry, token))
         if not self.sampling.ignore_eos:
-            s.finished.logical_or_(token.unsqueeze(-1).eq(self.eos).any(-1))
+            s.ended.logical_or_(token.unsqueeze(-1).eq(self.eos).any(-1))
+            s.finished.logical_or_(s.ended)
         return token
 
     def _handoff(self, t, candidate: Tensor, senior: Tensor, junior: Tensor) -> Tensor:
@@ -149,7 +153,10 @@ class TandemDecoder:
         new_author = torch.where(boundary, drawn, s.author)
         switched = new_author != s.author
         switch_token = sample_tokens(self._logits_of(new_author, senior, junior), uniform(self.seeds, t, _SWITCH), self.sampling, allowed)
+        if self.policy.max_spans is not None:  # the span limit ends the rollout here, as truncated
+            s.finished.logical_or_(boundary & (s.spans >= self.policy.max_spans))
         live = ~s.finished
+        s.spans.add_((boundary & live).long())
         s.decisions.add_((boundary & live).long())
         s.junior_draws.add_((boundary & live & (drawn == Author.JUNIOR)).long())
         s.handoffs.add_((switched & live).long())
@@ -174,8 +181,8 @@ class TandemDecoder:
             prompt_mask=prompts.attention_mask,
             completion_ids=tokens.clone(),
             author=authors.clone(),
-            finished=s.finished.clone(),
-            truncated=~s.finished,
+            finished=s.ended.clone(),
+            truncated=~s.ended,
             handoffs=s.handoffs.clone(),
             decisions=s.decisions.clone(),
             junior_draws=s.junior_draws.clone(),

@@ -386,7 +386,7 @@ class FastEngine(RolloutEngine):
         return self._batch
 
     def _decoder(self, policy: HandoffPolicy, sampling: SamplingConfig, batch: int) -> tuple[tuple, TandemDecoder]:
-        key = (type(policy).__name__, policy.p, policy.max_span, policy.first_author, astuple(sampling), batch)
+        key = (repr(policy), astuple(sampling), batch)
         if key not in self._decoders:
             device = self.models["senior"].device
             self._decoders[key] = TandemDecoder(

@@ -126,6 +126,8 @@ class HandoffPolicy(ABC):
             draw may split a word between authors).
         first_author: Who writes the first span: ``draw`` (junior with probability ``p``),
             ``senior`` or ``junior``.
+        max_spans: End a rollout (as truncated) when it would start span number max_spans + 1
+            (Tandem RLVR's evaluation: at most 150 rounds). None: no limit.
     """
 
     unit = "span"
@@ -135,6 +137,7 @@ class HandoffPolicy(ABC):
         p: float = 0.5,
         max_span: int | None = None,
         first_author: Literal["draw", "senior", "junior"] = "draw",
+        max_spans: int | None = None,
     ):
         if not 0.0 <= p <= 1.0:
             raise ConfigError(f"handoff probability p must be in [0, 1], got {p}")
@@ -142,9 +145,12 @@ class HandoffPolicy(ABC):
             raise ConfigError(f"max_span must be a positive number of tokens or None, got {max_span}")
         if first_author not in ("draw", "senior", "junior"):
             raise ConfigError(f"first_author must be 'draw', 'senior' or 'junior', got {first_author!r}")
+        if max_spans is not None and max_spans < 1:
+            raise ConfigError(f"max_spans must be a positive number of spans or None, got {max_spans}")
         self.p = float(p)
         self.max_span = max_span
         self.first_author = first_author
+        self.max_spans = max_spans
 
     @abstractmethod
     def compile(self, classes: TokenClasses) -> BoundaryRule:
@@ -161,7 +167,8 @@ class HandoffPolicy(ABC):
         return None
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(p={self.p}, max_span={self.max_span}, first_author={self.first_author!r})"
+        return (f"{type(self).__name__}(p={self.p}, max_span={self.max_span}, first_author={self.first_author!r}, "
+                f"max_spans={self.max_spans})")
 
 
 class _EveryToken(BoundaryRule):

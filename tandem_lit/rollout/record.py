@@ -64,7 +64,7 @@ class Rollout:
     completion_ids: Tensor  # [B, T] long, right-padded with pad_token_id
     author: Tensor  # [B, T] int8 Author codes: SENIOR / JUNIOR, PAD after the end
     finished: Tensor  # [B] bool, ended with an end-of-sequence token
-    truncated: Tensor  # [B] bool, hit max_new_tokens before ending
+    truncated: Tensor  # [B] bool, stopped without one (token budget, or the handoff span limit)
     handoffs: Tensor  # [B] long, number of author switches inside the completion
     decisions: Tensor  # [B] long, number of handoff draws (boundaries reached, plus the first span)
     junior_draws: Tensor  # [B] long, how many of those draws picked the junior
