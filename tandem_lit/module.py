@@ -324,26 +324,44 @@ class TandemModule(L.LightningModule):
 
     # --------------------------------------------------------------------------------- rollouts
 
-    def format_prompt(self, prompt: str) -> str:
+    def uses_chat_template(self, tokenizer) -> bool:
         fmt = self.prompt_format
-        use_chat = fmt.chat_template if fmt.chat_template is not None else bool(getattr(self.tokenizer, "chat_template", None))
-        if not use_chat:
+        has_template = bool(getattr(tokenizer, "chat_template", None))
+        if fmt.chat_template and not has_template:
+            raise ConfigError("prompt_format.chat_template is true but a model's tokenizer has no chat template")
+        return has_template if fmt.chat_template is None else fmt.chat_template
+
+    def format_prompt(self, prompt: str, tokenizer=None) -> str:
+        """The model input for a row's prompt: the chat template around it, or the text as is."""
+        tokenizer = tokenizer or self.tokenizer
+        if not self.uses_chat_template(tokenizer):
             return prompt
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ConfigError("prompt_format.chat_template is true but the senior's tokenizer has no chat template")
+        fmt = self.prompt_format
         messages = ([{"role": "system", "content": fmt.system_prompt}] if fmt.system_prompt else []) + [
             {"role": "user", "content": prompt}
         ]
         extra = {"enable_thinking": fmt.enable_thinking} if fmt.enable_thinking is not None else {}
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+
+    def encode_prompts(self, prompts: list[str], tokenizer=None, padding: bool = True) -> dict:
+        """Token ids of formatted prompts (left-padded; a chat template brings its own special tokens)."""
+        tokenizer = tokenizer or self.tokenizer
+        texts = [self.format_prompt(p, tokenizer) for p in prompts]
+        add_special = not self.uses_chat_template(tokenizer)
+        if not padding:
+            return tokenizer(texts, add_special_tokens=add_special)
+        return tokenizer(texts, padding=True, padding_side="left", return_tensors="pt", add_special_tokens=add_special)
 
     def rollout(self, rows: list[dict[str, Any]], policy: HandoffPolicy, sampling: SamplingConfig, key: int) -> RolloutResult:
         """Generate ``sampling.n`` rollouts per row and grade them. ``key`` fixes the seeds."""
-        texts = [self.format_prompt(row["prompt"]) for row in rows for _ in range(sampling.n)]
-        chat = texts[0] != rows[0]["prompt"]
-        encoded = self.tokenizer(texts, padding=True, padding_side="left", return_tensors="pt", add_special_tokens=not chat)
-        seeds = sequence_seeds(sampling.seed, key, len(texts))
-        prompts = PromptBatch(encoded["input_ids"], encoded["attention_mask"], seeds).to(self.device)
+        prompts_text = [row["prompt"] for row in rows for _ in range(sampling.n)]
+        encoded = self.encode_prompts(prompts_text)
+        seeds = sequence_seeds(sampling.seed, key, len(prompts_text))
+        partner = None
+        if getattr(self.engine, "needs_partner_prompts", False):
+            junior = self.encode_prompts(prompts_text, self.junior_tokenizer)
+            partner = PromptBatch(junior["input_ids"], junior["attention_mask"], seeds)
+        prompts = PromptBatch(encoded["input_ids"], encoded["attention_mask"], seeds, partner).to(self.device)
         rollout = self.ready_engine().generate(prompts, policy, sampling)
         self.check_authorship(rollout, policy)
         columns = {name: [row[name] for row in rows for _ in range(sampling.n)] for name in rows[0] if name != "prompt"}
@@ -416,9 +434,7 @@ class TandemModule(L.LightningModule):
         """The rows whose formatted prompt fits ``max_prompt_tokens``, and how many were skipped."""
         if self.max_prompt_tokens is None:
             return list(rows), 0
-        texts = [self.format_prompt(row["prompt"]) for row in rows]
-        chat = texts[0] != rows[0]["prompt"]
-        lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=not chat)["input_ids"]]
+        lengths = [len(ids) for ids in self.encode_prompts([row["prompt"] for row in rows], padding=False)["input_ids"]]
         kept = [row for row, n in zip(rows, lengths) if n <= self.max_prompt_tokens]
         return kept, len(rows) - len(kept)
 

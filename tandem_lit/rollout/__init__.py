@@ -1,6 +1,7 @@
 """Rollouts: the Rollout record, handoff policies, sampling and engines."""
 
 from tandem_lit.rollout.engine import HFEngine, RolloutEngine, TokenizerMismatchError
+from tandem_lit.rollout.fast import FastEngine
 from tandem_lit.rollout.handoff import (
     HandoffPolicy,
     ParagraphHandoff,
@@ -11,8 +12,10 @@ from tandem_lit.rollout.handoff import (
 )
 from tandem_lit.rollout.record import Author, PromptBatch, Rollout
 from tandem_lit.rollout.sampling import SamplingConfig
+from tandem_lit.rollout.text_handoff import TextHandoffEngine
 
 __all__ = [
     "Author", "HFEngine", "HandoffPolicy", "ParagraphHandoff", "PromptBatch", "Rollout", "RolloutEngine",
-    "SamplingConfig", "SentenceHandoff", "SoloHandoff", "TokenHandoff", "TokenizerMismatchError", "WordHandoff",
+    "SamplingConfig", "SentenceHandoff", "SoloHandoff", "TextHandoffEngine", "TokenHandoff", "TokenizerMismatchError",
+    "WordHandoff", "FastEngine",
 ]

@@ -30,6 +30,8 @@ class PromptBatch:
     input_ids: Tensor  # [B, P] long, left-padded with pad_token_id
     attention_mask: Tensor  # [B, P] long, 0 on padding
     seeds: Tensor  # [B] long, per-sequence RNG seed (sampling and handoff draws)
+    # the same prompts encoded for the junior, when it has its own tokenizer (text-level handoff)
+    partner: PromptBatch | None = None
 
     def __post_init__(self) -> None:
         if self.input_ids.shape != self.attention_mask.shape:
@@ -52,6 +54,7 @@ class PromptBatch:
             input_ids=self.input_ids.to(device),
             attention_mask=self.attention_mask.to(device),
             seeds=self.seeds.to(device),
+            partner=self.partner.to(device) if self.partner is not None else None,
         )
 
 
