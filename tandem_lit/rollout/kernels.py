@@ -52,6 +52,20 @@ def add_rms_norm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float) ->
 
 
 @triton.jit
+def _load_head(ptr, w_ptr, offs, mask, half, d, eps, HAS_NORM: tl.constexpr, DTYPE: tl.constexpr):
+    """One head's two halves in fp32, RMS-normalised (Qwen3 q/k norm) when HAS_NORM."""
+    x1 = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(ptr + half + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        inv = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / d + eps)
+        w1 = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + half + offs, mask=mask, other=0.0).to(tl.float32)
+        x1 = (w1 * (x1 * inv).to(DTYPE).to(tl.float32)).to(DTYPE).to(tl.float32)
+        x2 = (w2 * (x2 * inv).to(DTYPE).to(tl.float32)).to(DTYPE).to(tl.float32)
+    return x1, x2
+
+
+@triton.jit
 def _qk_rope_cache_kernel(
     q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
     q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr,
@@ -59,7 +73,7 @@ def _qk_rope_cache_kernel(
     HAS_NORM: tl.constexpr, HALF: tl.constexpr,
 ):
     b = tl.program_id(0)
-    h = tl.program_id(1)
+    h = tl.program_id(1)  # query heads first, then key/value heads
     half = d // 2
     offs = tl.arange(0, HALF)
     mask = offs < half
@@ -70,40 +84,18 @@ def _qk_rope_cache_kernel(
     s2 = tl.load(sin_ptr + pos * d + half + offs, mask=mask, other=0.0).to(tl.float32)
     dtype = q_out_ptr.dtype.element_ty
     if h < heads:
-        base = q_ptr + b * q_sb + h * d
-        x1 = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(base + half + offs, mask=mask, other=0.0).to(tl.float32)
-        if HAS_NORM:
-            variance = (tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / d
-            inv = tl.rsqrt(variance + eps)
-            w1 = tl.load(q_norm_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            w2 = tl.load(q_norm_ptr + half + offs, mask=mask, other=0.0).to(tl.float32)
-            x1 = (w1 * (x1 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-            x2 = (w2 * (x2 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x1, x2 = _load_head(q_ptr + b * q_sb + h * d, q_norm_ptr, offs, mask, half, d, eps, HAS_NORM, dtype)
         out = q_out_ptr + b * heads * d + h * d
-        tl.store(out + offs, (x1 * c1 - x2 * s1).to(dtype), mask=mask)
-        tl.store(out + half + offs, (x2 * c2 + x1 * s2).to(dtype), mask=mask)
     else:
         g = h - heads
-        slot = tl.load(slot_ptr)
-        base = k_ptr + b * k_sb + g * d
-        x1 = tl.load(base + offs, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(base + half + offs, mask=mask, other=0.0).to(tl.float32)
-        if HAS_NORM:
-            variance = (tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / d
-            inv = tl.rsqrt(variance + eps)
-            w1 = tl.load(k_norm_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            w2 = tl.load(k_norm_ptr + half + offs, mask=mask, other=0.0).to(tl.float32)
-            x1 = (w1 * (x1 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-            x2 = (w2 * (x2 * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-        cache = b * cache_sb + g * cache_sh + slot * cache_ss
-        tl.store(k_cache_ptr + cache + offs, (x1 * c1 - x2 * s1).to(dtype), mask=mask)
-        tl.store(k_cache_ptr + cache + half + offs, (x2 * c2 + x1 * s2).to(dtype), mask=mask)
+        x1, x2 = _load_head(k_ptr + b * k_sb + g * d, k_norm_ptr, offs, mask, half, d, eps, HAS_NORM, dtype)
+        cache = b * cache_sb + g * cache_sh + tl.load(slot_ptr) * cache_ss
+        out = k_cache_ptr + cache
         vbase = v_ptr + b * v_sb + g * d
-        v1 = tl.load(vbase + offs, mask=mask, other=0.0)
-        v2 = tl.load(vbase + half + offs, mask=mask, other=0.0)
-        tl.store(v_cache_ptr + cache + offs, v1, mask=mask)
-        tl.store(v_cache_ptr + cache + half + offs, v2, mask=mask)
+        tl.store(v_cache_ptr + cache + offs, tl.load(vbase + offs, mask=mask, other=0.0), mask=mask)
+        tl.store(v_cache_ptr + cache + half + offs, tl.load(vbase + half + offs, mask=mask, other=0.0), mask=mask)
+    tl.store(out + offs, (x1 * c1 - x2 * s1).to(dtype), mask=mask)  # rotary: rotate_half(x) * sin + x * cos
+    tl.store(out + half + offs, (x2 * c2 + x1 * s2).to(dtype), mask=mask)
 
 
 def qk_rope_cache(
