@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
-from tandem_lit.rollout.record import Author, Rollout
+from tandem_lit.rollout.record import Rollout
 
 #: GSM8K calculator annotations, e.g. ``<<48/2=24>>`` (the Tandem Training "jargon")
 GSM8K_JARGON = r"<<[^<>\n]*>>"
@@ -86,7 +86,3 @@ def rollout_stats(rollout: Rollout, rewards: Tensor, correct: Sequence[bool], gr
         "jargon_rate": jargon.rate(rollout.texts),
     }
 
-
-def senior_token_share(author: Tensor) -> float:
-    written = (author != Author.PAD).sum().item()
-    return (author == Author.SENIOR).sum().item() / written if written else 0.0

@@ -27,7 +27,7 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
-from tandem_lit.errors import ConfigError, TandemLitError
+from tandem_lit.errors import ConfigError
 from tandem_lit.evaluation import DatasetTally, flat_metrics, summarize, write_report
 from tandem_lit.metrics import JargonDetector, pass_at_k, rollout_stats
 from tandem_lit.models import (
@@ -44,6 +44,7 @@ from tandem_lit.rollout.engine import HFEngine, RolloutEngine
 from tandem_lit.rollout.handoff import HandoffPolicy, ParagraphHandoff, SoloHandoff
 from tandem_lit.rollout.record import Author, PromptBatch, Rollout, concat_rollouts
 from tandem_lit.rollout.sampling import SamplingConfig, sequence_seeds
+from tandem_lit.settings import DynamicSampling, OverlongPolicy, PromptFormat, TrainingStalledError
 from tandem_lit.verifiers.base import Grade, Verifier
 
 log = logging.getLogger(__name__)
@@ -51,71 +52,6 @@ log = logging.getLogger(__name__)
 EvalMode = Literal["senior", "junior", "tandem"]
 # jsonargparse builds this from `class_path: torch.optim.AdamW` + init_args, leaving the params out
 OptimizerCallable = Callable[[Iterable], torch.optim.Optimizer]
-
-
-@dataclass
-class PromptFormat:
-    """How a row's ``prompt`` becomes model input.
-
-    Args:
-        chat_template: Wrap the prompt as a user message with the tokenizer's chat template
-            (None: when the tokenizer has one).
-        system_prompt: Optional system message (chat template only).
-        enable_thinking: Passed to chat templates that have a thinking switch (Qwen3).
-    """
-
-    chat_template: bool | None = None
-    system_prompt: str | None = None
-    enable_thinking: bool | None = None
-
-
-class TrainingStalledError(TandemLitError, RuntimeError):
-    """Training cannot make progress with these settings."""
-
-
-@dataclass
-class OverlongPolicy:
-    """What a completion that ran out of tokens (truncated) contributes to training.
-
-    Args:
-        mode: ``keep`` (graded like any other), ``mask`` (left out of the loss and its normaliser,
-            DAPO's overlong filtering; it still counts in its group's reward statistics) or
-            ``penalty`` (its reward is replaced by ``penalty``).
-        penalty: The reward of a truncated completion in ``penalty`` mode.
-    """
-
-    mode: Literal["keep", "mask", "penalty"] = "keep"
-    penalty: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("keep", "mask", "penalty"):
-            raise ConfigError(f"overlong.mode must be 'keep', 'mask' or 'penalty', got {self.mode!r}")
-
-
-@dataclass
-class DynamicSampling:
-    """Train only on prompts whose rollouts disagree (DAPO's dynamic sampling).
-
-    A group whose rewards are all equal has zero GRPO advantage: it costs generation and teaches
-    nothing. Each step generates for ``prompts_per_step`` prompts, drops such groups, and refills
-    from the rest of the data batch (the batch is the pool: make it larger than
-    ``prompts_per_step``) for at most ``max_rounds`` rounds. Logged: kept and dropped groups and
-    rounds per step; a step with no informative group makes no update.
-
-    Args:
-        prompts_per_step: Groups to train on per step.
-        max_rounds: Generation rounds per step at most.
-        max_idle_steps: Stop the run with an error after this many consecutive steps without an
-            informative group (the task is all solved or all failed: training would never move).
-    """
-
-    prompts_per_step: int
-    max_rounds: int = 3
-    max_idle_steps: int = 20
-
-    def __post_init__(self) -> None:
-        if min(self.prompts_per_step, self.max_rounds, self.max_idle_steps) < 1:
-            raise ConfigError("dynamic_sampling.prompts_per_step, max_rounds and max_idle_steps must be >= 1")
 
 
 @dataclass
