@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from tandem_lit.errors import ConfigError
 from tandem_lit.evaluation import DatasetTally, flat_metrics, summarize, write_report
+from tandem_lit.logprobs import completion_logprobs
 from tandem_lit.metrics import JargonDetector, pass_at_k, rollout_stats
 from tandem_lit.models import (
     LoraSettings,
@@ -457,18 +458,7 @@ class TandemModule(L.LightningModule):
         Logits are divided by the sampling temperature, as the sampler drew from that
         distribution (the TRL / verl convention), so importance ratios compare like with like.
         """
-        prompt_len = rollout.prompt_ids.shape[1]
-        completion = rollout.completion_ids
-        ids = torch.cat([rollout.prompt_ids, completion], dim=1)
-        mask = torch.cat([rollout.prompt_mask, rollout.completion_mask.long()], dim=1)
-        positions = (mask.cumsum(-1) - 1).clamp_min(0)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=completion.shape[1] + 1)
-        logits = out.logits[:, :-1].float()
-        assert logits.shape[1] == completion.shape[1], (logits.shape, completion.shape, prompt_len)
-        temperature = self.sampling.temperature if temperature is None else temperature
-        if temperature > 0:
-            logits = logits / temperature
-        return torch.gather(logits.log_softmax(-1), -1, completion.unsqueeze(-1)).squeeze(-1)
+        return completion_logprobs(model, rollout, self.sampling.temperature if temperature is None else temperature)
 
     @torch.no_grad()
     def behaviour_logprobs(self, rollout: Rollout) -> Tensor:

@@ -1,0 +1,50 @@
+"""Teacher-forced log-probs of completion tokens, without materialising [N, T, V] float logits.
+
+A 3,000-token completion over a 150k vocabulary is 1.8 GB of float logits per sequence. The
+backbone runs once; the vocabulary projection, temperature and log-softmax run in chunks of
+positions, each recomputed in the backward pass (activation checkpointing), so peak memory is
+one chunk however long the completion.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from tandem_lit.rollout.record import Rollout
+
+CHUNK_ELEMENTS = 2**28  # float logits per chunk (1 GiB)
+
+
+def completion_logprobs(model: nn.Module, rollout: Rollout, temperature: float) -> Tensor:  # -> [N, T]
+    """log p(token_t | prompt, tokens_<t) of every completion token, logits divided by
+    ``temperature`` (if > 0). Padding positions get some value; callers mask them."""
+    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    backbone, head = causal_lm.base_model, causal_lm.get_output_embeddings()
+    softcap = getattr(causal_lm.config, "final_logit_softcapping", None)
+    completion = rollout.completion_ids
+    width = completion.shape[1]
+    ids = torch.cat([rollout.prompt_ids, completion], dim=1)
+    mask = torch.cat([rollout.prompt_mask, rollout.completion_mask.long()], dim=1)
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    hidden = backbone(input_ids=ids, attention_mask=mask, position_ids=positions).last_hidden_state
+    hidden = hidden[:, -width - 1 : -1]  # the positions that predict the completion tokens
+
+    def chunk_logprobs(h: Tensor, targets: Tensor) -> Tensor:
+        logits = head(h).float()
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        if temperature > 0:
+            logits = logits / temperature
+        return logits.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+    step = max(1, CHUNK_ELEMENTS // (completion.shape[0] * head.weight.shape[0]))
+    parts = []
+    for start in range(0, width, step):
+        h, targets = hidden[:, start : start + step], completion[:, start : start + step]
+        if torch.is_grad_enabled() and h.requires_grad:
+            parts.append(checkpoint(chunk_logprobs, h, targets, use_reentrant=False))
+        else:
+            parts.append(chunk_logprobs(h, targets))
+    return torch.cat(parts, dim=1)
