@@ -11,6 +11,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import SaveConfigCallback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
@@ -43,6 +44,15 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             os.replace(partial, path)
         finally:
             partial.unlink(missing_ok=True)
+
+
+class ResumeCheckpoint(ModelCheckpoint):
+    """Checkpoints to resume from: ``last.ckpt`` every ``every_n_train_steps`` updates and once
+    more when training ends, so the final weights are never lost between two periodic saves."""
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.save_last and self._last_global_step_saved != trainer.global_step:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
 
 def mlflow_loggers(trainer: L.Trainer) -> list:

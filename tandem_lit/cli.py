@@ -25,7 +25,7 @@ import tandem_lit.data  # noqa: F401  (short class_path names)
 import tandem_lit.objectives  # noqa: F401
 import tandem_lit.rollout  # noqa: F401
 import tandem_lit.verifiers  # noqa: F401
-from tandem_lit.callbacks import AtomicCheckpointIO, RunReport, SaveConfigToRun
+from tandem_lit.callbacks import AtomicCheckpointIO, ResumeCheckpoint, RunReport, SaveConfigToRun
 from tandem_lit.data.base import PromptDataModule
 from tandem_lit.errors import TandemLitError
 from tandem_lit.module import TandemModule
@@ -43,15 +43,25 @@ TRAINER_DEFAULTS = {
 
 class TandemCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
-        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        # best_checkpoint: the checkpoint selected by a validation metric, saved when validation
+        # ends (on when `monitor` is set); checkpoint: last.ckpt to resume from, every N updates
+        # and at the end. Both write to <run>/checkpoints.
+        parser.add_lightning_class_args(ModelCheckpoint, "best_checkpoint")
+        parser.set_defaults({
+            "best_checkpoint.mode": "max", "best_checkpoint.save_top_k": 1, "best_checkpoint.every_n_train_steps": 0,
+            "best_checkpoint.every_n_epochs": 1, "best_checkpoint.filename": "best-step{step}",
+            "best_checkpoint.auto_insert_metric_name": False,
+        })
+        parser.add_lightning_class_args(ResumeCheckpoint, "checkpoint")
         parser.set_defaults({"checkpoint.save_last": True, "checkpoint.save_top_k": 0, "checkpoint.every_n_train_steps": 50})
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
         root = Path(config.trainer.default_root_dir).expanduser().resolve()
         config.trainer.default_root_dir = str(root)
-        if "checkpoint" in config and config.checkpoint.dirpath is None:
-            config.checkpoint.dirpath = str(root / "checkpoints")
+        for section in ("checkpoint", "best_checkpoint"):
+            if section in config and config[section].dirpath is None:
+                config[section].dirpath = str(root / "checkpoints")
         if config.trainer.logger is None:  # not set by the user: a local MLflow store in the run folder
             root.mkdir(parents=True, exist_ok=True)
             config.trainer.logger = Namespace(
@@ -67,6 +77,9 @@ class TandemCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs):
         kwargs.setdefault("callbacks", [])
         trainer = super().instantiate_trainer(**kwargs)
+        best = self._get(self.config_init, "best_checkpoint")
+        if best is not None and best.monitor is None:  # no metric to select by: no best checkpoint
+            trainer.callbacks = [c for c in trainer.callbacks if c is not best]
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         if not any(isinstance(c, RunReport) for c in trainer.callbacks):

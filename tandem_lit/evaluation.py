@@ -130,11 +130,23 @@ def plot_pass_at_k(report: dict, ks: list[int], path: Path) -> Path:
     return path
 
 
+def _strict_json(value):
+    """``value`` with every nan/inf float replaced by None: results.json stays valid JSON (``NaN``
+    is not JSON; strict parsers such as JavaScript's and jq refuse it)."""
+    if isinstance(value, dict):
+        return {k: _strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict_json(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
 def write_report(report: dict, ks: list[int], folder: Path) -> list[Path]:
-    """results.json, results.md and pass_at_k.png in ``folder``."""
+    """results.json (numbers that do not apply are null), results.md and pass_at_k.png in ``folder``."""
     folder.mkdir(parents=True, exist_ok=True)
     json_path = folder / "results.json"
-    json_path.write_text(json.dumps(report, indent=2, default=float))
+    json_path.write_text(json.dumps(_strict_json(report), indent=2, default=float, allow_nan=False))
     md_path = folder / "results.md"
     md_path.write_text(markdown_table(report, ks))
     return [json_path, md_path, plot_pass_at_k(report, ks, folder / "pass_at_k.png")]

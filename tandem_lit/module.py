@@ -119,6 +119,8 @@ class TandemModule(L.LightningModule):
         pass_k: The k of the reported pass@k (those <= n).
         optimizer: Optimizer factory (default AdamW, lr 1e-6, no weight decay).
         mini_batch_size: Prompts per optimiser update (None: the whole step batch, one update).
+        rollout_batch_size: Sequences per engine call (None: all of a step's rollouts at once);
+            bounds the KV cache memory of generation.
         micro_batch_size: Sequences per forward/backward pass (gradient accumulation).
         max_grad_norm: Clip the gradient norm (None: no clipping).
         max_prompt_tokens: Training skips prompts longer than this (after the chat template),
@@ -126,6 +128,13 @@ class TandemModule(L.LightningModule):
             never skips. None: no limit.
         overlong: What truncated completions contribute (keep, mask, penalty).
         dynamic_sampling: Drop prompt groups whose rewards all agree and refill (None: off).
+        max_idle_steps: Stop with an error after this many consecutive training steps that could
+            make no update (dynamic sampling found no signal, or every prompt was too long):
+            such a run would otherwise never reach ``max_steps``.
+        allow_low_precision_weights: Train a full-weight senior held in bfloat16/float16. Off by
+            default: AdamW updates smaller than half a bf16 rounding step vanish (at lr 1e-6 most
+            do), so such a run silently barely trains. Use float32 weights (optionally with
+            ``trainer.precision: bf16-mixed``) or LoRA instead.
         prompt_format: Chat template use.
         eval_modes: Validation runs each: ``senior`` alone, ``junior`` alone, ``tandem`` (the
             training handoff). Metrics are logged as ``eval/<mode>_<metric>``.
@@ -154,11 +163,14 @@ class TandemModule(L.LightningModule):
         pass_k: list[int] | None = None,
         optimizer: OptimizerCallable | None = None,
         mini_batch_size: int | None = None,
+        rollout_batch_size: int | None = None,
         micro_batch_size: int = 16,
         max_grad_norm: float | None = 1.0,
         max_prompt_tokens: int | None = None,
         overlong: OverlongPolicy | None = None,
         dynamic_sampling: DynamicSampling | None = None,
+        max_idle_steps: int = 20,
+        allow_low_precision_weights: bool = False,
         prompt_format: PromptFormat | None = None,
         eval_modes: list[EvalMode] | None = None,
         evaluate_at_start: bool = True,
@@ -186,11 +198,15 @@ class TandemModule(L.LightningModule):
         self._test_tallies: dict[str, DatasetTally] = {}
         self.optimizer_factory = optimizer
         self.mini_batch_size = mini_batch_size
+        self.rollout_batch_size = rollout_batch_size
         self.micro_batch_size = micro_batch_size
         self.max_grad_norm = max_grad_norm
         self.max_prompt_tokens = max_prompt_tokens
         self.overlong = overlong or OverlongPolicy()
         self.dynamic_sampling = dynamic_sampling
+        self.max_idle_steps = max_idle_steps
+        self.allow_low_precision_weights = allow_low_precision_weights
+        self._idle_steps = 0
         self.prompt_format = prompt_format or PromptFormat()
         self.eval_modes = list(eval_modes) if eval_modes is not None else (["senior"] if junior is None else ["senior", "tandem", "junior"])
         self.evaluate_at_start = evaluate_at_start
@@ -229,7 +245,9 @@ class TandemModule(L.LightningModule):
             return
         self.tokenizer = load_tokenizer(self.senior_source)
         senior = load_causal_lm(self.senior_source, quantization_config(self.lora))
-        if self.lora is not None:
+        if self.lora is None:
+            self.check_weight_precision(senior)
+        else:
             senior = apply_lora(senior, self.lora)
         self.senior = senior
         junior_tokenizer = None
@@ -252,6 +270,16 @@ class TandemModule(L.LightningModule):
             for logger in self.loggers:
                 logger.log_hyperparams({"engine": type(self.engine).__name__})
         return self.engine
+
+    def check_weight_precision(self, senior: nn.Module) -> None:
+        dtype = next(senior.parameters()).dtype
+        if dtype in (torch.bfloat16, torch.float16) and not self.allow_low_precision_weights:
+            raise ConfigError(
+                f"the senior's weights are {dtype} and would be trained in place: optimiser updates below the "
+                f"{dtype} rounding step vanish (at lr 1e-6 most AdamW updates do). Load it with dtype: float32 "
+                "(add trainer.precision: bf16-mixed for bf16 compute), train LoRA adapters, or set "
+                "allow_low_precision_weights: true if you mean it."
+            )
 
     def configure_optimizers(self):
         params = [p for p in self.senior.parameters() if p.requires_grad]
@@ -290,10 +318,24 @@ class TandemModule(L.LightningModule):
         return tokenizer(texts, padding=True, padding_side="left", return_tensors="pt", add_special_tokens=add_special)
 
     def rollout(self, rows: list[dict[str, Any]], policy: HandoffPolicy, sampling: SamplingConfig, key: int) -> RolloutResult:
-        """Generate ``sampling.n`` rollouts per row and grade them. ``key`` fixes the seeds."""
+        """Generate ``sampling.n`` rollouts per row and grade them. ``key`` fixes the seeds.
+
+        The engine gets at most ``rollout_batch_size`` sequences per call (its KV caches are
+        sized for one call); seeds are those of the whole batch, so chunking changes nothing else.
+        """
+        seeds = sequence_seeds(sampling.seed, key, len(rows) * sampling.n)
+        per_call = max(1, (self.rollout_batch_size or len(rows) * sampling.n) // sampling.n)
+        parts = []
+        for start in range(0, len(rows), per_call):
+            chunk = rows[start : start + per_call]
+            part = self._rollout_chunk(chunk, policy, sampling, seeds[start * sampling.n : (start + len(chunk)) * sampling.n])
+            part.group += start
+            parts.append(part)
+        return parts[0] if len(parts) == 1 else concat_results(parts, self.engine.pad_token_id)
+
+    def _rollout_chunk(self, rows: list[dict[str, Any]], policy: HandoffPolicy, sampling: SamplingConfig, seeds: Tensor) -> RolloutResult:
         prompts_text = [row["prompt"] for row in rows for _ in range(sampling.n)]
         encoded = self.encode_prompts(prompts_text)
-        seeds = sequence_seeds(sampling.seed, key, len(prompts_text))
         partner = None
         if getattr(self.engine, "needs_partner_prompts", False):
             junior = self.encode_prompts(prompts_text, self.junior_tokenizer)
@@ -338,6 +380,7 @@ class TandemModule(L.LightningModule):
             result, sampling_stats = self.rollout(rows, self.handoff, self.sampling, key), {}
         else:
             result, sampling_stats = self.informative_rollouts(rows, key)
+        self._count_idle_step(result is None, no_prompts=not rows)
         if self.max_prompt_tokens is not None:
             sampling_stats["skipped_long_prompts"] = float(skipped)
         generated = time.perf_counter()
@@ -367,6 +410,22 @@ class TandemModule(L.LightningModule):
             logger.log_metrics(row, step=self.global_step)
         self.history.append({"step": self.global_step, **row})
 
+    def _count_idle_step(self, idle: bool, no_prompts: bool) -> None:
+        """Fail instead of looping forever when steps keep making no update."""
+        self._idle_steps = self._idle_steps + 1 if idle else 0
+        if self._idle_steps < self.max_idle_steps:
+            return
+        if no_prompts:
+            raise TrainingStalledError(
+                f"every prompt of the last {self._idle_steps} batches is longer than max_prompt_tokens="
+                f"{self.max_prompt_tokens}, so no update can happen: raise max_prompt_tokens or use shorter prompts."
+            )
+        raise TrainingStalledError(
+            f"dynamic sampling found no prompt whose rollouts got different rewards in {self._idle_steps} "
+            "consecutive steps, so no update can happen: every group is all-correct or all-wrong. Use easier "
+            "or harder data, more rollouts per prompt (sampling.n), or turn dynamic_sampling off."
+        )
+
     def prompts_that_fit(self, rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
         """The rows whose formatted prompt fits ``max_prompt_tokens``, and how many were skipped."""
         if self.max_prompt_tokens is None:
@@ -391,16 +450,8 @@ class TandemModule(L.LightningModule):
         stats = {"sampling_rounds": float(rounds), "dropped_groups": float(dropped),
                  "kept_groups": float(sum(len(p.group.unique()) for p in kept))}
         if kept:
-            self._idle_steps = 0
             return concat_results(kept, self.engine.pad_token_id), stats
-        self._idle_steps = getattr(self, "_idle_steps", 0) + 1
         log.warning("dynamic sampling found no prompt with differing rewards in %d rounds: no update this step", rounds)
-        if self._idle_steps >= self.dynamic_sampling.max_idle_steps:
-            raise TrainingStalledError(
-                f"dynamic sampling found no prompt whose rollouts got different rewards in {self._idle_steps} "
-                "consecutive steps, so no update can happen: every group is all-correct or all-wrong. Use easier "
-                "or harder data, more rollouts per prompt (sampling.n), or turn dynamic_sampling off."
-            )
         return None, stats
 
     def optimise(self, result: RolloutResult) -> dict[str, float]:

@@ -61,14 +61,11 @@ class DynamicSampling:
     Args:
         prompts_per_step: Groups to train on per step.
         max_rounds: Generation rounds per step at most.
-        max_idle_steps: Stop the run with an error after this many consecutive steps without an
-            informative group (the task is all solved or all failed: training would never move).
     """
 
     prompts_per_step: int
     max_rounds: int = 3
-    max_idle_steps: int = 20
 
     def __post_init__(self) -> None:
-        if min(self.prompts_per_step, self.max_rounds, self.max_idle_steps) < 1:
-            raise ConfigError("dynamic_sampling.prompts_per_step, max_rounds and max_idle_steps must be >= 1")
+        if min(self.prompts_per_step, self.max_rounds) < 1:
+            raise ConfigError("dynamic_sampling.prompts_per_step and max_rounds must be >= 1")

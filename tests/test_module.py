@@ -217,3 +217,24 @@ def test_resume_is_bit_identical_to_an_uninterrupted_run(resume_runs):
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+def test_rollouts_in_engine_sized_chunks_equal_one_engine_call():
+    from tandem_lit.objectives import GRPO
+
+    def module(**settings):
+        m = TandemModule(
+            senior=ModelSource("configs/tiny/senior", random_init=True, init_seed=1, dtype="float32"),
+            junior=ModelSource("configs/tiny/junior", random_init=True, init_seed=2, dtype="float32"),
+            verifier=GSM8KVerifier(), objective=GRPO(), handoff=WordHandoff(0.5), **settings,
+        )
+        m.configure_model()
+        return m
+
+    rows = [{"prompt": f"Q: {i}+{i}?", "answer": str(2 * i)} for i in range(5)]
+    sampling = SamplingConfig(temperature=1.0, n=3, max_new_tokens=20)
+    whole = module().rollout(rows, WordHandoff(0.5), sampling, key=7)
+    chunked = module(rollout_batch_size=4).rollout(rows, WordHandoff(0.5), sampling, key=7)  # one prompt per call
+    assert chunked.rollout.texts == whole.rollout.texts
+    assert chunked.group.tolist() == whole.group.tolist() == [g for g in range(5) for _ in range(3)]
+    assert torch.equal(chunked.rollout.author[:, :5], whole.rollout.author[:, :5])

@@ -161,7 +161,7 @@ class _CachedForward:
     def prefill(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:  # -> [B, V]
         from transformers import DynamicCache
 
-        self.cache = DynamicCache()
+        self.cache = DynamicCache(config=self.model.config)  # hybrid (linear-attention) models need it
         self.mask = attention_mask
         self.position = attention_mask.cumsum(-1) - 1
         out = self.model(

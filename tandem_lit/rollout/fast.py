@@ -214,7 +214,7 @@ class StaticDecoderModel:
         from tandem_lit.rollout.engine import cache_kwarg
 
         batch, width = input_ids.shape
-        cache = DynamicCache()
+        cache = DynamicCache(config=self.config)
         positions = (attention_mask.cumsum(-1) - 1).clamp_min(0)
         out = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
@@ -460,7 +460,9 @@ class FastEngine(RolloutEngine):
         buf = self._ensure_capacity(batch, width + sampling.max_new_tokens)
         key, decoder = self._decoder(policy, sampling, batch)
         active = [name for name, needed in (("senior", decoder.needs_senior), ("junior", decoder.needs_junior)) if needed]
-        with eval_mode(*(self.models[name].model for name in active)):
+        # static caches hold the weights' dtype: decode in it, also inside a bf16-mixed training step
+        no_autocast = torch.autocast(device_type=device.type, enabled=False)
+        with eval_mode(*(self.models[name].model for name in active)), no_autocast:
             for name in active:
                 self.models[name].sync()
             if use_graphs:

@@ -39,7 +39,7 @@ class _Writer:
     def start(self, prompt_ids: list[int]) -> None:
         from transformers import DynamicCache
 
-        self.cache = DynamicCache()
+        self.cache = DynamicCache(config=self.model.config)
         self.length = 0
         self.carry = torch.zeros(1, dtype=torch.long, device=self.device)
         self.feed(prompt_ids, track=False)  # boundaries count from the completion, as in lockstep engines
