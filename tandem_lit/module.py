@@ -579,6 +579,30 @@ class TandemModule(L.LightningModule):
         self.log_metrics_at_update(row)
         log.info("evaluation before training: %s", json.dumps({k: round(v, 4) for k, v in row.items()}))
 
+    def predict_step(self, batch: list[dict[str, Any]], batch_idx: int, dataloader_idx: int = 0) -> list[dict[str, Any]]:
+        """Completions of every eval mode for the rows (``eval_sampling``), graded, with spans
+        marked by author; also appended to ``predictions.jsonl`` in the run folder."""
+        records = []
+        for mode in self.eval_modes:
+            result = self.rollout(batch, self.eval_policy(mode), self.eval_sampling, dataloader_idx * 1_000_003 + batch_idx)
+            for i, grade in enumerate(result.grades):
+                spans = result.rollout.spans(i, self.tokenizer)
+                records.append({
+                    "mode": mode,
+                    "prompt": batch[i // self.eval_sampling.n]["prompt"],
+                    "completion": result.rollout.texts[i],
+                    "reward": grade.reward,
+                    "correct": grade.correct,
+                    "extracted": grade.extracted,
+                    "spans": [{"author": a.name.lower(), "text": t} for a, t in spans],
+                })
+        if self.trainer.is_global_zero:
+            path = Path(self.trainer.default_root_dir) / "predictions.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("a", encoding="utf-8") as f:
+                f.writelines(json.dumps(r) + "\n" for r in records)
+        return records
+
     def test_step(self, batch: list[dict[str, Any]], batch_idx: int, dataloader_idx: int = 0) -> None:
         """Solo and handoff samples of every problem, graded, tallied per eval set."""
         name = str(batch[0].get("dataset", f"set{dataloader_idx}"))

@@ -181,3 +181,17 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys, case):
     assert expected in errors[0]
     assert err.rstrip().splitlines()[-1] == errors[0]
     assert "Traceback" not in err
+
+
+def test_predict_writes_graded_completions_of_every_mode(tmp_path, run_folder):
+    root = run_folder(tmp_path / "run")
+    main(args=["predict", "--config", "configs/gsm8k_tiny.yaml", "--trainer.default_root_dir", str(root), *QUIET,
+               "--data.init_args.test_limit", "3"])
+    records = [json.loads(line) for line in (root / "predictions.jsonl").read_text().splitlines()]
+    assert [r["mode"] for r in records] == ["senior"] * 3 + ["tandem"] * 3 + ["junior"] * 3
+    for record in records:
+        assert record["reward"] in (0.0, 1.0) and "Question:" in record["prompt"]
+        joined = "".join(span["text"] for span in record["spans"]).replace("</s>", "")
+        assert joined == record["completion"]
+    senior_only = {span["author"] for r in records if r["mode"] == "senior" for span in r["spans"]}
+    assert senior_only == {"senior"}
