@@ -158,6 +158,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--json", default=None, help="write the rows here")
+    parser.add_argument("--compare-overlap", action="store_true",
+                        help="also time tandem with the junior forward on the main stream (FastEngine(overlap_junior=False)) "
+                             "and check both give the same rollouts")
     args = parser.parse_args()
 
     device = args.device
@@ -180,7 +183,7 @@ def main() -> None:
     name = "tiny" if args.tiny else "Qwen3-4B / Qwen3-1.7B shapes"
     print(f"# device={device} ({torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}) models={name} dtype={dtype}")
     print(f"# weights: senior {senior_w / 1e9:.2f} GB, junior {junior_w / 1e9:.2f} GB; copy bandwidth {bandwidth / 1e12:.2f} TB/s")
-    header = f"{'batch':>5} {'new':>5} {'row':<22} {'steps':>5} {'ms/step':>8} {'tok/s':>9} {'roofline':>8}"
+    header = f"{'batch':>5} {'new':>5} {'row':<28} {'steps':>5} {'ms/step':>8} {'tok/s':>9} {'roofline':>8}"
     print(header)
     results = []
     summary = {}
@@ -198,6 +201,12 @@ def main() -> None:
                 Row("FastEngine, solo", batch, new, new, time_engine(fast, prompts, SoloHandoff(), full, device, repeats)),
                 Row("FastEngine, tandem", batch, new, new, time_engine(fast, prompts, WordHandoff(0.5), full, device, repeats)),
             ]
+            if args.compare_overlap:  # the same engine (one set of caches), junior on the main stream
+                fast.overlap_junior = False
+                rows.append(Row("FastEngine, tandem, 1 stream", batch, new, new,
+                                time_engine(fast, prompts, WordHandoff(0.5), full, device, repeats)))
+                serial = fast.generate(prompts, WordHandoff(0.5), full)
+                fast.overlap_junior = True
             mean_len = prompt_len + new / 2
             step_bytes = {
                 "solo": senior_w + batch * mean_len * senior_kv,
@@ -207,10 +216,10 @@ def main() -> None:
                 kind = "solo" if "solo" in row.name else "tandem"
                 roofline_tps = batch / (step_bytes[kind] / bandwidth) if bandwidth == bandwidth else float("nan")
                 share = row.tokens_per_second / roofline_tps
-                print(f"{batch:>5} {new:>5} {row.name:<22} {row.steps:>5} {row.step_ms:>8.2f} {row.tokens_per_second:>9.0f} {share:>8.1%}")
+                print(f"{batch:>5} {new:>5} {row.name:<28} {row.steps:>5} {row.step_ms:>8.2f} {row.tokens_per_second:>9.0f} {share:>8.1%}")
                 results.append({**row.__dict__, "tokens_per_second": row.tokens_per_second, "step_ms": row.step_ms,
                                 "roofline_tokens_per_second": roofline_tps, "roofline_share": share})
-            naive_row, _, solo_row, tandem_row = rows
+            naive_row, _, solo_row, tandem_row = rows[:4]
             ideal = step_bytes["tandem"] / step_bytes["solo"]
             measured = tandem_row.step_ms / solo_row.step_ms
             key = f"b{batch}_n{new}"
@@ -218,8 +227,15 @@ def main() -> None:
                 "tandem_vs_naive": tandem_row.tokens_per_second / naive_row.tokens_per_second,
                 "tandem_over_solo_step": measured,
                 "ideal_tandem_over_solo": ideal,
-                "tandem_roofline_share": results[-1]["roofline_share"],
+                "tandem_roofline_share": results[-len(rows) + 3]["roofline_share"],
             }
+            if args.compare_overlap:
+                a, b = fast.generate(prompts, WordHandoff(0.5), full), serial
+                same = all(torch.equal(getattr(a, f), getattr(b, f))
+                           for f in ("completion_ids", "author", "senior_logprobs", "handoffs"))
+                summary[key]["overlap_speedup"] = rows[4].seconds / tandem_row.seconds
+                summary[key]["overlap_same_rollouts"] = same
+                print(f"{'':>11} overlap: {summary[key]['overlap_speedup']:.3f}x faster than 1 stream; same rollouts: {same}")
             print(f"{'':>11} tandem/naive {summary[key]['tandem_vs_naive']:.1f}x; tandem/solo step {measured:.2f} "
                   f"(ideal {ideal:.2f}, {measured / ideal - 1:+.1%})")
     if args.json:

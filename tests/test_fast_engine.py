@@ -196,6 +196,39 @@ def test_triton_kernels_match_torch_path(tokenizer, arch):
     torch.testing.assert_close(a.senior_logprobs[:, 1], b.senior_logprobs[:, 1], atol=0.05, rtol=0.05)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the side stream needs a GPU")
+@pytest.mark.parametrize("cuda_graphs", [True, False])
+def test_junior_on_a_side_stream_gives_the_same_rollouts(tokenizer, cuda_graphs):
+    senior = build("qwen3", len(tokenizer), 128, 2, seed=0).cuda().to(torch.bfloat16)
+    junior = build("qwen3", len(tokenizer), 64, 1, seed=1).cuda().to(torch.bfloat16)
+    runs = {}
+    for overlap in (True, False):
+        engine = FastEngine(cuda_graphs=cuda_graphs, overlap_junior=overlap)
+        engine.setup(senior, junior, tokenizer)
+        runs[overlap] = [
+            engine.generate(prompt_batch(tokenizer, "cuda", seed=seed), WordHandoff(0.5), SamplingConfig(temperature=1.0, max_new_tokens=48))
+            for seed in (0, 1, 0)
+        ]
+        assert (engine._side_stream is not None) == overlap
+        engine.generate(prompt_batch(tokenizer, "cuda"), SoloHandoff(), SamplingConfig(temperature=1.0, max_new_tokens=8))
+    for a, b in zip(runs[True], runs[False], strict=True):
+        assert_same_rollouts(a, b)
+        assert torch.equal(a.senior_logprobs, b.senior_logprobs)
+    assert_same_rollouts(runs[True][0], runs[True][2])  # same seed, same rollout
+    assert (runs[True][0].author == Author.JUNIOR).any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_solo_never_creates_the_side_stream(tokenizer, device):
+    senior = build("llama", len(tokenizer), 64, 2, seed=0).to(device)
+    junior = build("llama", len(tokenizer), 32, 1, seed=1).to(device)
+    engine = FastEngine()
+    engine.setup(senior, junior, tokenizer)
+    for author in ("senior", "junior"):
+        engine.generate(prompt_batch(tokenizer, device), SoloHandoff(author), SamplingConfig(temperature=1.0, max_new_tokens=4))
+    assert engine._side_stream is None
+
+
 def test_unsupported_architecture_fails_closed(tokenizer):
     from transformers import GPT2Config, GPT2LMHeadModel
 

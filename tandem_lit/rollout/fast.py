@@ -13,6 +13,10 @@ kernel launch gaps, host syncs. So:
 - The decode forward is a small reimplementation of the Llama-family block (Llama, Mistral,
   Qwen2, Qwen3) that reads the models' live parameters, LoRA adapters included, so the rollout
   after an optimiser step uses the new policy with no weight sync.
+- On CUDA the junior's forward runs on a second stream, concurrently with the senior's (both
+  read only the token just appended; they meet again at the next step's sampling), so one
+  model's small latency-bound kernels fill the other's gaps. The fork/join is captured into
+  the graph as two parallel branches.
 - Solo policies (p=0 or p=1) skip the other model entirely, so tandem-vs-solo timings compare
   like with like. On CPU the same step runs eagerly (tests, the offline demo).
 """
@@ -326,6 +330,8 @@ class FastEngine(RolloutEngine):
         fuse_weights: With the Triton kernels, run q/k/v and gate/up as one GEMM each over a copy
             of their weights, re-synced from the live parameters at every ``generate`` (costs
             that copy's memory; projections with LoRA adapters are never fused).
+        overlap_junior: On CUDA, in tandem, run the junior's decode forward on a second stream
+            concurrently with the senior's (same results; off: one stream, one after the other).
     """
 
     def __init__(
@@ -335,6 +341,7 @@ class FastEngine(RolloutEngine):
         kv_block: int = 128,
         check_every: int = 16,
         fuse_weights: bool = True,
+        overlap_junior: bool = True,
     ):
         if kv_block < 1 or check_every < 1:
             raise ConfigError("kv_block and check_every must be >= 1")
@@ -345,6 +352,7 @@ class FastEngine(RolloutEngine):
         self.fuse_weights = fuse_weights
         self.kv_block = kv_block
         self.check_every = check_every
+        self.overlap_junior = overlap_junior
 
     def setup(self, senior: nn.Module, junior: nn.Module | None, tokenizer, junior_tokenizer=None) -> None:
         super().setup(senior, junior, tokenizer, junior_tokenizer)
@@ -358,6 +366,7 @@ class FastEngine(RolloutEngine):
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._pool = None
         self._weights_at_capture: dict[str, int] = {}
+        self._side_stream: torch.cuda.Stream | None = None  # created on the first overlapped step
         device = self.models["senior"].device
         if self.kernels == "triton" and device.type != "cuda":
             raise ConfigError("FastEngine(kernels='triton') needs a CUDA device; use kernels: torch or auto")
@@ -406,14 +415,41 @@ class FastEngine(RolloutEngine):
         buf.position[:batch].add_(1)
         buf.valid[:batch].index_fill_(1, buf.slot, True)
         position = buf.position[:batch]
-        if senior is not None:
-            senior.copy_(self.models["senior"].decode(token, position, buf.slot, buf.valid, kv_len, self.triton))
-        if junior is not None:
-            junior.copy_(self.models["junior"].decode(token, position, buf.slot, buf.valid, kv_len, self.triton))
+
+        def forward(name: str, out: Tensor) -> None:
+            out.copy_(self.models[name].decode(token, position, buf.slot, buf.valid, kv_len, self.triton))
+
+        if senior is not None and junior is not None and self._overlap():
+            # The two forwards are independent until the next step's sampling, and each alone
+            # leaves the GPU partly idle (latency-bound norms/attention, GEMM tails): run the
+            # junior on a side stream. Fork: the side stream waits for this step's token; join:
+            # the main stream waits for the junior's logits. Valid inside CUDA graph capture.
+            main, side = torch.cuda.current_stream(), self._side()
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                forward("junior", junior)
+            forward("senior", senior)
+            main.wait_stream(side)
+            token.record_stream(side)  # allocated on main, read on side: no early reuse
+        else:
+            if senior is not None:
+                forward("senior", senior)
+            if junior is not None:
+                forward("junior", junior)
         buf.t.add_(1)
 
+    def _overlap(self) -> bool:
+        return self.overlap_junior and self.models["senior"].device.type == "cuda"
+
+    def _side(self) -> torch.cuda.Stream:
+        # one stream for the engine's life: warm-up and capture must use the same one, so the
+        # cuBLAS workspace of that stream is allocated eagerly, not inside the graph's pool
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(device=self.models["senior"].device)
+        return self._side_stream
+
     def _graph(self, key: tuple, decoder: TandemDecoder, batch: int, kv_len: int) -> torch.cuda.CUDAGraph:
-        graph_key = (key, kv_len)
+        graph_key = (key, kv_len, self._overlap())
         if graph_key not in self._graphs:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
