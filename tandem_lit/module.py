@@ -136,8 +136,11 @@ class TandemModule(L.LightningModule):
             do), so such a run silently barely trains. Use float32 weights (optionally with
             ``trainer.precision: bf16-mixed``) or LoRA instead.
         prompt_format: Chat template use.
-        eval_modes: Validation runs each: ``senior`` alone, ``junior`` alone, ``tandem`` (the
-            training handoff). Metrics are logged as ``eval/<mode>_<metric>``.
+        eval_modes: Validation runs each: ``senior`` alone, ``junior`` alone, ``tandem`` (with
+            ``eval_handoff``). Metrics are logged as ``eval/<mode>_<metric>``.
+        eval_handoff: Handoff of the ``tandem`` eval mode (None: the training handoff). A
+            no-handoff control sets the tandem run's handoff here, so that both runs' tandem
+            accuracy is measured the same way.
         evaluate_at_start: Validate once before the first update (logged at step 0).
         jargon_pattern: Regex whose match marks a solution as using jargon.
         authorship_z: Fail when the junior's share of handoff draws is further than this many
@@ -173,6 +176,7 @@ class TandemModule(L.LightningModule):
         allow_low_precision_weights: bool = False,
         prompt_format: PromptFormat | None = None,
         eval_modes: list[EvalMode] | None = None,
+        eval_handoff: HandoffPolicy | None = None,
         evaluate_at_start: bool = True,
         jargon_pattern: str = r"<<[^<>\n]*>>",
         authorship_z: float = 6.0,
@@ -209,6 +213,7 @@ class TandemModule(L.LightningModule):
         self._idle_steps = 0
         self.prompt_format = prompt_format or PromptFormat()
         self.eval_modes = list(eval_modes) if eval_modes is not None else (["senior"] if junior is None else ["senior", "tandem", "junior"])
+        self.eval_handoff = eval_handoff or handoff
         self.evaluate_at_start = evaluate_at_start
         self.jargon = JargonDetector(jargon_pattern)
         self.authorship_z = authorship_z
@@ -534,7 +539,7 @@ class TandemModule(L.LightningModule):
 
     def eval_policy(self, mode: EvalMode) -> HandoffPolicy:
         if mode == "tandem":
-            return self.handoff
+            return self.eval_handoff
         return SoloHandoff(author=mode)
 
     def evaluate_batch(self, rows: list[dict[str, Any]], key: int) -> dict[str, tuple[float, int]]:

@@ -3,6 +3,7 @@
 from tandem_lit.data.base import PromptDataModule, PromptRows, SeededBatches
 from tandem_lit.data.gsm8k import GSM8KDataModule
 from tandem_lit.data.math import DeepScaleRDataModule, MathEvalDataModule
+from tandem_lit.data.synthetic import SyntheticArithmeticDataModule
 
 __all__ = [
     "DeepScaleRDataModule",
@@ -11,4 +12,5 @@ __all__ = [
     "PromptDataModule",
     "PromptRows",
     "SeededBatches",
+    "SyntheticArithmeticDataModule",
 ]

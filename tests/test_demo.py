@@ -1,0 +1,170 @@
+"""The offline demo: the synthetic world, the model cache, and a shortened demo end to end."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import pytest
+
+from tandem_lit.demo import build as demo_build
+from tandem_lit.demo.world import (
+    STYLES,
+    TEMPLATES,
+    cut_points,
+    is_held_out,
+    problems,
+    styled_continuation,
+)
+from tandem_lit.metrics import JargonDetector
+from tandem_lit.verifiers.numeric import GSM8KVerifier
+
+JARGON = re.compile(r"<<([^<>\n]*)>>")
+
+
+# --------------------------------------------------------------------------------------- world
+
+
+def test_answers_are_correct_and_every_calculation_is_right():
+    for problem in problems(seed=0, count=600, split="train"):
+        for calc in problem.calcs:
+            assert eval(calc.expression) == calc.result  # noqa: S307 (our own a+b / a-b / a*b)
+            assert calc.result >= 0
+        assert problem.answer == problem.calcs[-1].result
+        numbers = [int(n) for n in re.findall(r"\d+", problem.question)]
+        if len(problem.calcs) == 2:  # the second calculation carries the first one's result
+            assert problem.calcs[1].a == problem.calcs[0].result
+        assert all(c.a in numbers or c.a == problem.calcs[0].result for c in problem.calcs)
+
+
+def test_plain_and_jargon_forms_are_consistent():
+    verifier, jargon = GSM8KVerifier(), JargonDetector()
+    for problem in problems(seed=1, count=300, split="train"):
+        plain, coded = problem.solution("plain"), problem.solution("jargon")
+        # jargon = plain plus one GSM8K annotation "<<a op b=result>>" before each result
+        assert JARGON.sub("", coded) == plain
+        assert JARGON.findall(coded) == [f"{c.expression}={c.result}" for c in problem.calcs]
+        assert not jargon(plain) and jargon(coded)
+        for text in (plain, coded):
+            assert text.startswith(" ") and text.endswith(f"\n#### {problem.answer}")
+            assert verifier.grade(text, answer=str(problem.answer)).correct
+
+
+def test_the_world_is_seeded():
+    assert problems(seed=5, count=50, split="train") == problems(seed=5, count=50, split="train")
+    assert problems(seed=5, count=50, split="train") != problems(seed=6, count=50, split="train")
+    drawn = problems(seed=0, count=600, split="train")
+    assert {p.template for p in drawn} == set(TEMPLATES)
+    assert len({p.question for p in drawn}) == 600  # distinct
+    assert {len(p.calcs) for p in drawn} == {1, 2}
+
+
+def test_held_out_problems_never_appear_in_training():
+    train = problems(seed=0, count=3000, split="train")
+    held = problems(seed=0, count=300, split="held_out")
+    assert not {p.question for p in train} & {p.question for p in held}
+    assert all(is_held_out(p.question) for p in held) and not any(p.held_out for p in train)
+    with pytest.raises(ValueError, match="unknown templates"):
+        problems(seed=0, count=1, split="train", templates=("nope",))
+
+
+def test_prefixed_examples_show_their_style_and_keep_it():
+    rng = random.Random(0)
+    for problem in problems(seed=2, count=300, split="train"):
+        for style in STYLES:
+            prefix, rest = styled_continuation(problem, rng, style)
+            assert prefix + rest == problem.solution(style)
+            assert rest[:1].isspace()  # cut at a word boundary, where a handoff would be
+            assert len(prefix) >= problem.first_calc_end(style)  # after the first calculation
+            assert (JARGON.search(prefix) is not None) == (style == "jargon")
+    assert cut_points(" ab cd\n#### 3") == [3, 6, 11]
+
+
+def test_the_data_module_serves_held_out_validation():
+    from tandem_lit.data import SyntheticArithmeticDataModule
+
+    data = SyntheticArithmeticDataModule(train_size=64, val_size=20, test_size=10, batch_size=8)
+    train, val, test = data.rows("train"), data.rows("val"), data.rows("test")
+    assert (len(train), len(val), len(test)) == (64, 20, 10)
+    assert not {r["question"] for r in val} & {r["question"] for r in test}
+    row = val[0]
+    assert row["prompt"].startswith("Question: ") and row["prompt"].endswith("\nAnswer:")
+    assert row["solution"].endswith(f"#### {row['answer']}")
+    assert len(next(iter(data.train_dataloader()))) == 8
+
+
+# ------------------------------------------------------------------------------------- caching
+
+
+def test_demo_names_and_cache_keys(monkeypatch, tmp_path):
+    from tandem_lit.errors import ConfigError
+
+    assert demo_build.parse_name("senior") == ("standard", "senior")
+    assert demo_build.parse_name("standard/junior") == ("standard", "junior")
+    for bad in ("teacher", "nope/senior"):
+        with pytest.raises(ConfigError, match="unknown demo model"):
+            demo_build.parse_name(bad)
+    standard = demo_build.RECIPES["standard"]
+    assert standard.digest() == demo_build.Recipe().digest()
+    assert demo_build.Recipe(seed=1).digest() != standard.digest()  # any change is a new build
+    monkeypatch.setenv("TANDEM_LIT_CACHE", str(tmp_path))
+    assert demo_build.cache_root() == tmp_path
+
+
+def test_an_existing_build_is_reused_without_training(monkeypatch, tmp_path):
+    monkeypatch.setenv("TANDEM_LIT_CACHE", str(tmp_path))
+    recipe = demo_build.RECIPES["standard"]
+    folder = tmp_path / "demo" / f"standard-{recipe.digest()}"
+    (folder / "senior").mkdir(parents=True)
+    (folder / "report.json").write_text("{}")
+    monkeypatch.setattr(demo_build, "build", lambda *a, **k: pytest.fail("rebuilt a cached recipe"))
+    assert demo_build.demo_model_dir("senior") == folder / "senior"
+
+
+# -------------------------------------------------------------------------------- end to end
+
+
+def run_demo(config: str, root, steps: int) -> dict:
+    from tandem_lit.cli import main
+
+    main(
+        args=[
+            "fit", "--config", config,
+            "--trainer.max_steps", str(steps),
+            "--trainer.val_check_interval", str(steps),
+            "--data.init_args.val_size", "60",
+            "--data.init_args.eval_batch_size", "60",
+            "--trainer.default_root_dir", str(root),
+        ]
+    )
+    return json.loads((root / "summary.json").read_text())
+
+
+@pytest.fixture
+def two_threads():
+    """The demo models train in minutes with both cores of a CI machine (conftest pins one)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_shortened_demo_clears_jargon_only_with_handoffs(monkeypatch, tmp_path, two_threads):
+    """The demo's own models (built from scratch, ~5 min on 2 cores) and configs, 8 updates instead
+    of 40: the tandem-trained senior drops its jargon, the control without handoffs keeps it, and
+    the tandem-trained senior stays more accurate than the junior."""
+    monkeypatch.setenv("TANDEM_LIT_CACHE", str(tmp_path / "cache"))
+    steps = 8
+    tandem = run_demo("configs/demo.yaml", tmp_path / "demo", steps)
+    control = run_demo("configs/demo_control.yaml", tmp_path / "control", steps)
+    for summary in (tandem, control):
+        assert summary["updates"] == steps
+        assert summary["eval/senior_jargon_rate"]["first"] >= 0.9  # the senior starts out in jargon
+        assert summary["eval/senior_accuracy"]["first"] > summary["eval/junior_accuracy"]["first"] + 0.1
+    assert tandem["eval/senior_jargon_rate"]["last"] <= 0.2
+    assert control["eval/senior_jargon_rate"]["last"] >= 0.9
+    assert tandem["eval/senior_accuracy"]["last"] > tandem["eval/junior_accuracy"]["last"]
+    assert (tmp_path / "demo" / "plots" / "jargon_rate.png").exists()
