@@ -123,7 +123,8 @@ def first_and_last(history: list[dict[str, float]], metric: str) -> tuple[float,
 
 
 class RunReport(L.Callback):
-    """At the end of fit: plots, ``summary.json``, a printed summary, MLflow artifacts."""
+    """At the end of fit: plots, ``summary.json``, ``history.jsonl`` (every logged metric row),
+    a printed summary, MLflow artifacts."""
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.started = time.perf_counter()
@@ -143,10 +144,11 @@ class RunReport(L.Callback):
             span = first_and_last(history, metric)
             summary[metric] = {"first": round(span[0], 4), "last": round(span[1], 4)}
         (folder / "summary.json").write_text(json.dumps(summary, indent=2))
+        (folder / "history.jsonl").write_text("".join(json.dumps(row) + "\n" for row in history))
         print(format_summary(summary))
         for path in plots:
             log_artifact(trainer, path, "plots")
-        for name in ("summary.json", "completions.jsonl"):
+        for name in ("summary.json", "history.jsonl", "completions.jsonl"):
             if (folder / name).exists():
                 log_artifact(trainer, folder / name)
 

@@ -168,3 +168,9 @@ def test_shortened_demo_clears_jargon_only_with_handoffs(monkeypatch, tmp_path, 
     assert control["eval/senior_jargon_rate"]["last"] >= 0.9
     assert tandem["eval/senior_accuracy"]["last"] > tandem["eval/junior_accuracy"]["last"]
     assert (tmp_path / "demo" / "plots" / "jargon_rate.png").exists()
+    from tandem_lit.demo.figures import draw, table
+
+    rows = table(tmp_path / "demo")  # from history.jsonl: every evaluation, the last one included
+    assert [r["step"] for r in rows] == [0, steps]
+    assert rows[-1]["eval/senior_jargon_rate"] == pytest.approx(tandem["eval/senior_jargon_rate"]["last"], abs=1e-3)
+    assert {p.name for p in draw(tmp_path / "demo", tmp_path / "control", tmp_path / "img")} == {"demo_jargon.png", "demo_accuracy.png"}

@@ -2,9 +2,8 @@
 
     python -m tandem_lit.demo.figures runs/demo runs/demo_control docs/img
 
-Reads each run's metric history from its last checkpoint (``checkpoints/last.ckpt``, where
-``TandemModule`` keeps every logged row) and draws the senior's jargon rate and the three
-accuracies over optimiser updates.
+Reads each run's metric history (``history.jsonl``, written at the end of fit) and draws the
+senior's jargon rate and the three accuracies over optimiser updates.
 """
 
 from __future__ import annotations
@@ -17,10 +16,7 @@ ACCURACIES = {"eval/senior_accuracy": "senior alone", "eval/tandem_accuracy": "t
 
 
 def load_history(run: Path) -> list[dict[str, float]]:
-    import torch
-
-    checkpoint = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
-    return checkpoint["tandem_lit"]["history"]
+    return [json.loads(line) for line in (run / "history.jsonl").read_text().splitlines() if line]
 
 
 def eval_series(history: list[dict[str, float]], metric: str) -> tuple[list[int], list[float]]:
