@@ -27,6 +27,34 @@ def repo_root() -> Path:
     return REPO_ROOT
 
 
+@pytest.fixture
+def in_repo(monkeypatch):
+    """Run from the repository root (configs name tiny models and data relative to it), with an
+    argv of our own: LightningCLI must not see pytest's arguments. Modules opt in with
+    ``pytestmark = pytest.mark.usefixtures("in_repo")``."""
+    monkeypatch.chdir(REPO_ROOT)
+    monkeypatch.setattr("sys.argv", ["tandem-lit"])
+
+
+def tiny_tandem_module(**settings):
+    """A TandemModule over the tiny random senior and junior configs (word handoff p = 0.5,
+    senior-only evaluation, no start evaluation, no completions log); ``settings`` add to or
+    replace these defaults (verifier, objective, sampling and optimizer at least)."""
+    from tandem_lit.models import ModelSource
+    from tandem_lit.module import TandemModule
+    from tandem_lit.rollout import WordHandoff
+
+    defaults = dict(
+        senior=ModelSource("configs/tiny/senior", random_init=True, init_seed=1, dtype="float32"),
+        junior=ModelSource("configs/tiny/junior", random_init=True, init_seed=2, dtype="float32"),
+        handoff=WordHandoff(p=0.5),
+        eval_modes=["senior"],
+        evaluate_at_start=False,
+        completions_every_n_steps=0,
+    )
+    return TandemModule(**{**defaults, **settings})
+
+
 @pytest.fixture(scope="session")
 def char_tok():
     """The full printable-ASCII character tokenizer the tiny configs use (100 tokens)."""

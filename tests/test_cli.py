@@ -28,14 +28,7 @@ SMALL = ["--data.init_args.batch_size", "2", "--model.init_args.sampling.n", "2"
          "--model.init_args.sampling.max_new_tokens", "16"]
 
 
-pytestmark = pytest.mark.filterwarnings("ignore:No seed found")
-
-
-@pytest.fixture(autouse=True)
-def in_repo(repo_root, monkeypatch):
-    """The shipped config names its tiny models and data relative to the repository root."""
-    monkeypatch.chdir(repo_root)
-    monkeypatch.setattr("sys.argv", ["tandem-lit"])  # pytest's own arguments are not ours
+pytestmark = [pytest.mark.filterwarnings("ignore:No seed found"), pytest.mark.usefixtures("in_repo")]
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ EVAL = "configs/eval/math_handoff.yaml"
 EVAL_SETS = ["amc23", "aime24", "aime25", "minerva", "olympiadbench"]
 
 pytestmark = [
+    pytest.mark.usefixtures("in_repo"),
     pytest.mark.filterwarnings(r"ignore:.*module\(s\) in eval mode"),
     pytest.mark.filterwarnings("ignore:Using ModelCheckpoint with manual optimization"),
     pytest.mark.filterwarnings("ignore:No seed found"),
@@ -31,12 +32,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:Checkpoint directory"),
     pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`"),  # test needs no ModelCheckpoint
 ]
-
-
-@pytest.fixture(autouse=True)
-def in_repo(monkeypatch):
-    monkeypatch.chdir(REPO_ROOT)
-    monkeypatch.setattr("sys.argv", ["tandem-lit"])
 
 
 def subcommand(config: str) -> str:

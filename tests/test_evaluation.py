@@ -16,6 +16,7 @@ from tandem_lit.evaluation import DatasetTally, flat_metrics, markdown_table, su
 from tandem_lit.metrics import PassAtK, pass_at_k
 
 pytestmark = [
+    pytest.mark.usefixtures("in_repo"),
     pytest.mark.filterwarnings(r"ignore:.*module\(s\) in eval mode"),
     pytest.mark.filterwarnings("ignore:No seed found"),
 ]
@@ -184,12 +185,6 @@ def test_report_files_logger_names_and_table(tmp_path):
 
 
 # ------------------------------------------------------------------ `tandem-lit test` end to end
-
-
-@pytest.fixture(autouse=True)
-def in_repo(repo_root, monkeypatch):
-    monkeypatch.chdir(repo_root)
-    monkeypatch.setattr("sys.argv", ["tandem-lit"])
 
 
 def math_eval_root(tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
+from conftest import tiny_tandem_module
 
 from tandem_lit.cli import build_cli
 from tandem_lit.data import GSM8KDataModule
@@ -17,34 +18,22 @@ from tandem_lit.rollout import Author, Rollout, SamplingConfig, SoloHandoff, Wor
 from tandem_lit.verifiers import GSM8KVerifier
 
 pytestmark = [
+    pytest.mark.usefixtures("in_repo"),
     pytest.mark.filterwarnings(r"ignore:.*module\(s\) in eval mode"),  # the frozen junior, on purpose
     pytest.mark.filterwarnings("ignore:Using ModelCheckpoint with manual optimization"),
     pytest.mark.filterwarnings("ignore:No seed found"),
 ]
 
 
-@pytest.fixture(autouse=True)
-def in_repo(repo_root, monkeypatch):
-    monkeypatch.chdir(repo_root)
-    monkeypatch.setattr("sys.argv", ["tandem-lit"])  # pytest's own arguments are not ours
-
-
 def tandem_module(**overrides) -> TandemModule:
     settings = dict(
-        senior=ModelSource("configs/tiny/senior", random_init=True, init_seed=1, dtype="float32"),
-        junior=ModelSource("configs/tiny/junior", random_init=True, init_seed=2, dtype="float32"),
         verifier=GSM8KVerifier(),
         # random tiny models never answer right: c = -0.5 still gives a learning signal
         objective=SoftMaskedReinforce(),
-        handoff=WordHandoff(p=0.5),
         sampling=SamplingConfig(temperature=1.0, n=2, max_new_tokens=12),
         optimizer=lambda params: torch.optim.SGD(params, lr=0.5),
-        eval_modes=["senior"],
-        evaluate_at_start=False,
-        completions_every_n_steps=0,
     )
-    settings.update(overrides)
-    return TandemModule(**settings)
+    return tiny_tandem_module(**{**settings, **overrides})
 
 
 def fit(module: TandemModule, root, steps: int = 1) -> L.Trainer:

@@ -11,6 +11,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from conftest import tiny_tandem_module
 
 from tandem_lit.cli import build_cli, main
 from tandem_lit.data.base import PromptDataModule
@@ -23,6 +24,7 @@ from tandem_lit.rollout.handoff import TokenClasses
 from tandem_lit.verifiers.base import Grade, Verifier
 
 pytestmark = [
+    pytest.mark.usefixtures("in_repo"),
     pytest.mark.filterwarnings(r"ignore:.*module\(s\) in eval mode"),
     pytest.mark.filterwarnings("ignore:Using ModelCheckpoint with manual optimization"),
     pytest.mark.filterwarnings("ignore:No seed found"),
@@ -83,27 +85,14 @@ class RowsDataModule(PromptDataModule):
         return self.train if split == "train" else self.val
 
 
-@pytest.fixture(autouse=True)
-def in_repo(repo_root, monkeypatch):
-    monkeypatch.chdir(repo_root)
-    monkeypatch.setattr("sys.argv", ["tandem-lit"])
-
-
 def tandem_module(**overrides) -> TandemModule:
     settings = dict(
-        senior=ModelSource("configs/tiny/senior", random_init=True, init_seed=1, dtype="float32"),
-        junior=ModelSource("configs/tiny/junior", random_init=True, init_seed=2, dtype="float32"),
         verifier=AnyCharVerifier(),
         objective=SpyGRPO(),
-        handoff=WordHandoff(p=0.5),
         sampling=SamplingConfig(temperature=1.0, n=4, max_new_tokens=16),
         optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
-        eval_modes=["senior"],
-        evaluate_at_start=False,
-        completions_every_n_steps=0,
     )
-    settings.update(overrides)
-    return TandemModule(**settings)
+    return tiny_tandem_module(**{**settings, **overrides})
 
 
 def fit(module: TandemModule, data: PromptDataModule, root, steps: int = 1, **trainer_args) -> L.Trainer:
