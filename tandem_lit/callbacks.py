@@ -85,6 +85,12 @@ class SaveConfigToRun(SaveConfigCallback):
         self.already_saved = True
 
 
+def metric_series(history: list[dict[str, float]], metric: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of one metric over the module's history rows, in step order."""
+    points = sorted((row["step"], row[metric]) for row in history if metric in row)
+    return [step for step, _ in points], [value for _, value in points]
+
+
 def plot_history(history: list[dict[str, float]], folder: Path) -> list[Path]:
     """One PNG per curve group in PLOTS, from the module's metric history."""
     import matplotlib
@@ -95,14 +101,13 @@ def plot_history(history: list[dict[str, float]], folder: Path) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     written = []
     for name, metrics in PLOTS.items():
-        series = {m: [(row["step"], row[m]) for row in history if m in row] for m in metrics}
-        series = {m: points for m, points in series.items() if points}
+        series = {m: metric_series(history, m) for m in metrics}
+        series = {m: (steps, values) for m, (steps, values) in series.items() if steps}
         if not series:
             continue
         fig, ax = plt.subplots(figsize=(6, 3.6))
-        for metric, points in series.items():
-            steps, values = zip(*sorted(points))
-            ax.plot(steps, values, marker="o" if len(points) < 40 else None, markersize=3, label=metric)
+        for metric, (steps, values) in series.items():
+            ax.plot(steps, values, marker="o" if len(steps) < 40 else None, markersize=3, label=metric)
         ax.set_xlabel("optimiser updates")
         ax.set_ylabel(name.replace("_", " "))
         if "accuracy" in name or "rate" in name or "share" in name:

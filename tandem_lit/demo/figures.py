@@ -12,16 +12,13 @@ import argparse
 import json
 from pathlib import Path
 
+from tandem_lit.callbacks import metric_series
+
 ACCURACIES = {"eval/senior_accuracy": "senior alone", "eval/tandem_accuracy": "tandem", "eval/junior_accuracy": "junior alone"}
 
 
 def load_history(run: Path) -> list[dict[str, float]]:
     return [json.loads(line) for line in (run / "history.jsonl").read_text().splitlines() if line]
-
-
-def eval_series(history: list[dict[str, float]], metric: str) -> tuple[list[int], list[float]]:
-    points = sorted((row["step"], row[metric]) for row in history if metric in row)
-    return [s for s, _ in points], [v for _, v in points]
 
 
 def draw(demo: Path, control: Path, out: Path) -> list[Path]:
@@ -36,7 +33,7 @@ def draw(demo: Path, control: Path, out: Path) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(6, 3.4))
     for (label, history), color in zip(runs.items(), ("tab:blue", "tab:gray")):
-        ax.plot(*eval_series(history, "eval/senior_jargon_rate"), marker="o", markersize=3, color=color, label=label)
+        ax.plot(*metric_series(history, "eval/senior_jargon_rate"), marker="o", markersize=3, color=color, label=label)
     ax.set_title("Senior's jargon rate (greedy, held-out problems)", fontsize=10)
     ax.set_xlabel("optimiser updates")
     ax.set_ylabel("solutions with <<...>>")
@@ -51,7 +48,7 @@ def draw(demo: Path, control: Path, out: Path) -> list[Path]:
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), sharey=True)
     for ax, (label, history) in zip(axes, runs.items()):
         for metric, name in ACCURACIES.items():
-            steps, values = eval_series(history, metric)
+            steps, values = metric_series(history, metric)
             if steps:
                 ax.plot(steps, values, marker="o", markersize=3, label=name)
         ax.set_title(label, fontsize=10)
