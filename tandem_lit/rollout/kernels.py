@@ -198,3 +198,67 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     out = torch.empty((rows, n), dtype=gate.dtype, device=gate.device)
     _silu_mul_kernel[(rows, triton.cdiv(n, 1024))](gate, up, out, n, gate.stride(0), up.stride(0), BLOCK=1024)
     return out
+
+
+@triton.jit
+def _skinny_linear_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, M, N, x_sm, y_sm, K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, EVEN: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    per_split: tl.constexpr = (K // BLOCK_K + (K % BLOCK_K > 0) + SPLIT_K - 1) // SPLIT_K  # K tiles per program
+    k_first = pid_k * per_split * BLOCK_K
+    k_end = tl.minimum(k_first + per_split * BLOCK_K, K)
+    x_ptrs = x_ptr + rm[:, None] * x_sm + (k_first + rk)[None, :]
+    w_ptrs = w_ptr + rn[:, None] * K + (k_first + rk)[None, :]
+    m_mask = rm < M
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for i in range(0, per_split):
+        if EVEN:  # every program's K range is whole tiles and N % BLOCK_N == 0: only rows of x are masked
+            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+            w = tl.load(w_ptrs)
+        else:
+            k_mask = (k_first + i * BLOCK_K + rk) < k_end
+            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=(rn < N)[:, None] & k_mask[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        if pid_k == 0:
+            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + rm[:, None] * y_sm + rn[None, :]
+    y_mask = m_mask[:, None] & (rn < N)[None, :]
+    if SPLIT_K > 1:  # partial sums meet in a zeroed float32 output
+        tl.atomic_add(y_ptrs, acc, mask=y_mask, sem="relaxed")
+    else:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, block_n: int = 64, block_k: int = 128,
+                  split_k: int = 1, num_warps: int = 4, num_stages: int = 4, out: Tensor | None = None) -> Tensor:
+    """``x @ weight.T + bias`` for few rows (decode batches), streaming the weight once.
+
+    x [M, K] (rows may be strided), weight [N, K] contiguous -> [M, N]. With ``split_k > 1`` the
+    K range is split across programs that add into ``out`` (float32, zeroed by the caller).
+    """
+    m, k = x.shape
+    n = weight.shape[0]
+    block_m = min(64, max(16, triton.next_power_of_2(m)))
+    if out is None:
+        if split_k > 1:
+            raise ValueError("split_k > 1 adds into a zeroed float32 `out`; pass one")
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split_k)
+    _skinny_linear_kernel[grid](
+        x, weight, bias if bias is not None else weight, out, m, n, x.stride(0), out.stride(0), k,
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+        EVEN=(k % (block_k * split_k) == 0 and n % block_n == 0), num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
