@@ -107,6 +107,7 @@ class Row:
     new_tokens: int
     steps: int
     seconds: float
+    phases: dict | None = None  # FastEngine.last_timing() of the last timed run: prefill vs decode
 
     @property
     def tokens_per_second(self) -> float:
@@ -117,7 +118,7 @@ class Row:
         return 1000 * self.seconds / self.steps
 
 
-def time_engine(engine, prompts, policy, sampling, device, repeats: int) -> float:
+def time_engine(engine, prompts, policy, sampling, device, repeats: int) -> tuple[float, dict | None]:
     engine.generate(prompts, policy, sampling)  # warm-up: graph capture, allocator growth, lazy init
     times = []
     for _ in range(repeats):
@@ -127,7 +128,8 @@ def time_engine(engine, prompts, policy, sampling, device, repeats: int) -> floa
         sync(device)
         times.append(time.perf_counter() - start)
         assert int(out.lengths.min()) == sampling.max_new_tokens, "EOS must be ignored in the benchmark"
-    return statistics.median(times)
+    phases = engine.last_timing() if hasattr(engine, "last_timing") else None
+    return statistics.median(times), phases
 
 
 def time_hf_generate(model, prompts, sampling, device, repeats: int) -> float:
@@ -183,7 +185,8 @@ def main() -> None:
     name = "tiny" if args.tiny else "Qwen3-4B / Qwen3-1.7B shapes"
     print(f"# device={device} ({torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}) models={name} dtype={dtype}")
     print(f"# weights: senior {senior_w / 1e9:.2f} GB, junior {junior_w / 1e9:.2f} GB; copy bandwidth {bandwidth / 1e12:.2f} TB/s")
-    header = f"{'batch':>5} {'new':>5} {'row':<28} {'steps':>5} {'ms/step':>8} {'tok/s':>9} {'roofline':>8}"
+    header = (f"{'batch':>5} {'new':>5} {'row':<28} {'steps':>5} {'ms/step':>8} {'tok/s':>9} {'roofline':>8} "
+              f"{'prefill ms':>10} {'decode ms/step':>14} {'decode roofline':>15}")
     print(header)
     results = []
     summary = {}
@@ -196,15 +199,15 @@ def main() -> None:
             short = SamplingConfig(temperature=args.temperature, max_new_tokens=min(new, args.baseline_steps), ignore_eos=True)
             rows = [
                 Row("naive HF loop, tandem", batch, new, short.max_new_tokens,
-                    time_engine(naive, prompts, WordHandoff(0.5), short, device, repeats)),
+                    *time_engine(naive, prompts, WordHandoff(0.5), short, device, repeats)),
                 Row("HF generate, solo", batch, new, short.max_new_tokens, time_hf_generate(senior, prompts, short, device, repeats)),
-                Row("FastEngine, solo", batch, new, new, time_engine(fast, prompts, SoloHandoff(), full, device, repeats)),
-                Row("FastEngine, tandem", batch, new, new, time_engine(fast, prompts, WordHandoff(0.5), full, device, repeats)),
+                Row("FastEngine, solo", batch, new, new, *time_engine(fast, prompts, SoloHandoff(), full, device, repeats)),
+                Row("FastEngine, tandem", batch, new, new, *time_engine(fast, prompts, WordHandoff(0.5), full, device, repeats)),
             ]
             if args.compare_overlap:  # the same engine (one set of caches), junior on the main stream
                 fast.overlap_junior = False
                 rows.append(Row("FastEngine, tandem, 1 stream", batch, new, new,
-                                time_engine(fast, prompts, WordHandoff(0.5), full, device, repeats)))
+                                *time_engine(fast, prompts, WordHandoff(0.5), full, device, repeats)))
                 serial = fast.generate(prompts, WordHandoff(0.5), full)
                 fast.overlap_junior = True
             mean_len = prompt_len + new / 2
@@ -216,9 +219,18 @@ def main() -> None:
                 kind = "solo" if "solo" in row.name else "tandem"
                 roofline_tps = batch / (step_bytes[kind] / bandwidth) if bandwidth == bandwidth else float("nan")
                 share = row.tokens_per_second / roofline_tps
-                print(f"{batch:>5} {new:>5} {row.name:<28} {row.steps:>5} {row.step_ms:>8.2f} {row.tokens_per_second:>9.0f} {share:>8.1%}")
+                # the roofline is per decode step; end-to-end tokens/s also pays the prompts' prefill
+                # (compute-bound, once per batch), so the decode step alone is shown against it too
+                extra = {}
+                if row.phases:
+                    extra = {"prefill_ms": 1000 * row.phases["prefill_s"], "decode_step_ms": row.phases["decode_step_ms"],
+                             "decode_roofline_share": 1000 * step_bytes[kind] / bandwidth / row.phases["decode_step_ms"]}
+                decode = (f"{extra['prefill_ms']:>10.1f} {extra['decode_step_ms']:>14.2f} {extra['decode_roofline_share']:>15.1%}"
+                          if extra else "")
+                print(f"{batch:>5} {new:>5} {row.name:<28} {row.steps:>5} {row.step_ms:>8.2f} {row.tokens_per_second:>9.0f} "
+                      f"{share:>8.1%} {decode}")
                 results.append({**row.__dict__, "tokens_per_second": row.tokens_per_second, "step_ms": row.step_ms,
-                                "roofline_tokens_per_second": roofline_tps, "roofline_share": share})
+                                "roofline_tokens_per_second": roofline_tps, "roofline_share": share, **extra})
             naive_row, _, solo_row, tandem_row = rows[:4]
             ideal = step_bytes["tandem"] / step_bytes["solo"]
             measured = tandem_row.step_ms / solo_row.step_ms
@@ -228,6 +240,7 @@ def main() -> None:
                 "tandem_over_solo_step": measured,
                 "ideal_tandem_over_solo": ideal,
                 "tandem_roofline_share": results[-len(rows) + 3]["roofline_share"],
+                "tandem_decode_roofline_share": results[-len(rows) + 3].get("decode_roofline_share"),
             }
             if args.compare_overlap:
                 a, b = fast.generate(prompts, WordHandoff(0.5), full), serial

@@ -1,8 +1,7 @@
 """The Triton decode kernels against the plain-torch decode path, in Triton's CPU interpreter.
 
 The GPU runs them compiled (tests/test_fast_engine.py compares whole rollouts there); here the
-interpreter checks the arithmetic on any machine. The attention kernel's loop bound is read on the
-device, which the interpreter cannot run; the GPU tests cover it.
+interpreter checks the arithmetic on any machine.
 """
 
 from __future__ import annotations
@@ -17,9 +16,22 @@ import pytest
 pytest.importorskip("triton", reason="the Triton kernels need the triton package (dev extra, Linux)")
 
 CHECK = textwrap.dedent("""
+    import numpy as np
     import torch
+    import triton.runtime.interpreter as interpreter
+
     from tandem_lit.rollout import kernels
     from tandem_lit.rollout.fast import _rms_norm, _rotate_half
+
+    # The interpreter holds a loaded scalar as a 1-element array, which numpy 2 will not int():
+    # the attention kernel's loop bound (read on the device) needs that conversion.
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
 
     torch.manual_seed(0)
     B, H, KV, D, S, hidden = 3, 8, 2, 16, 20, 32
@@ -28,18 +40,25 @@ CHECK = textwrap.dedent("""
         q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)  # strided views, as from the fused projection
         qn, kn = torch.randn(D), torch.randn(D)
         cos, sin = torch.randn(S, D), torch.randn(S, D)
-        pos, slot = torch.tensor([3, 7, 11]), torch.tensor([5])
-        kc, vc = torch.zeros(B, KV, S, D), torch.zeros(B, KV, S, D)
-        out = kernels.qk_rope_cache(q, k, v, qn if has_norm else None, kn if has_norm else None, 1e-6,
-                                    cos, sin, pos, slot, kc, vc, H, KV, D)
+        pos, slot = torch.tensor([3, 7, 11]), torch.tensor([9])
+        kc, vc = torch.randn(B, KV, S, D), torch.randn(B, KV, S, D)
+        valid = torch.rand(B, S) > 0.3  # padding slots are never attended
+        kc_out, vc_out = kc.clone(), vc.clone()
+        out = kernels.rope_attention(q, k, v, qn if has_norm else None, kn if has_norm else None, 1e-6,
+                                     cos, sin, pos, slot, kc_out, vc_out, valid, 0.25, H, KV, D, block_n=4)
         qh, kh = q.reshape(B, H, D), k.reshape(B, KV, D)
         if has_norm:
             qh, kh = _rms_norm(qh, qn, 1e-6), _rms_norm(kh, kn, 1e-6)
         c, s = cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)
-        torch.testing.assert_close(out, (qh * c + _rotate_half(qh) * s).reshape(B, -1))
-        torch.testing.assert_close(kc[:, :, 5], kh * c + _rotate_half(kh) * s)
-        torch.testing.assert_close(vc[:, :, 5], v.reshape(B, KV, D))
-        assert kc[:, :, :5].abs().max() == 0 and vc[:, :, 6:].abs().max() == 0  # only the slot is written
+        kc[:, :, 9], vc[:, :, 9] = kh * c + _rotate_half(kh) * s, v.reshape(B, KV, D)
+        torch.testing.assert_close(kc_out, kc)  # only the new token's slot is written
+        torch.testing.assert_close(vc_out, vc)
+        attend = valid.clone()
+        attend[:, 9], attend[:, 10:] = True, False  # the new token, never a later slot
+        scores = torch.einsum("bhd,bhsd->bhs", qh * c + _rotate_half(qh) * s, kc.repeat_interleave(H // KV, 1)) * 0.25
+        probs = scores.masked_fill(~attend[:, None], float("-inf")).softmax(-1)
+        expected = torch.einsum("bhs,bhsd->bhd", probs, vc.repeat_interleave(H // KV, 1)).reshape(B, -1)
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
 
     x, delta, w = torch.randn(4, hidden), torch.randn(4, hidden), torch.randn(hidden)
     stream = x.clone()
@@ -51,6 +70,23 @@ CHECK = textwrap.dedent("""
     gate_up = torch.randn(4, 128)
     gate, up = gate_up.split([64, 64], dim=-1)
     torch.testing.assert_close(kernels.silu_mul(gate, up), torch.nn.functional.silu(gate) * up)
+    # the fused sampler: the same inverse-CDF draw as sampling.sample_tokens, rows from either
+    # model's logits, with and without a start-token mask; and the senior's token log-probs
+    from tandem_lit.rollout.sampling import SamplingConfig, sample_tokens
+
+    V = 300
+    a, b = (torch.randn(6, 320) * 3)[:, :V], (torch.randn(6, 320) * 3)[:, :V]  # row-strided, as the engine's
+    pick = torch.tensor([0, 1, 0, 1, 1, 0], dtype=torch.bool)
+    u = torch.rand(6)
+    for temperature in (0.0, 0.7, 1.0):
+        for allowed in (None, torch.rand(V) > 0.5, torch.rand(6, V) > 0.5):
+            want = sample_tokens(torch.where(pick[:, None], b, a), u, SamplingConfig(temperature=temperature), allowed)
+            assert torch.equal(kernels.sample_rows(a, u, temperature, b, pick, allowed, block=64), want)
+            want = sample_tokens(a, u, SamplingConfig(temperature=temperature), allowed)
+            assert torch.equal(kernels.sample_rows(a, u, temperature, allowed=allowed, block=64), want)
+    token = torch.randint(0, V, (6,))
+    torch.testing.assert_close(kernels.token_logprobs(a, token, 0.7, block=64),
+                               (a / 0.7).log_softmax(-1).gather(-1, token[:, None]).squeeze(-1))
     print("kernels ok")
 """)
 

@@ -51,12 +51,16 @@ class TandemDecoder:
         batch_size: int,
         eos_token_ids: list[int],
         pad_token_id: int,
+        fused_sampling: bool = False,
     ):
         device = classes.starts_ws.device
         self.policy = policy
         self.rule = policy.compile(classes)
         self.vocab_size = classes.vocab_size
         self.sampling = sampling
+        # the Triton sampler draws by the same inverse CDF in one pass over the logits (GPU
+        # engines with Triton kernels); top-k/top-p keep the torch path
+        self.fused_sampling = fused_sampling and sampling.top_k == 0 and sampling.top_p == 1.0
         self.eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=device)
         self.pad_token_id = pad_token_id
         self.only_author = policy.only_author
@@ -103,12 +107,29 @@ class TandemDecoder:
     def needs_junior(self) -> bool:
         return self.only_author != Author.SENIOR
 
-    def _logits_of(self, author: Tensor, senior: Tensor | None, junior: Tensor | None) -> Tensor:
+    def _draw(self, author: Tensor, senior: Tensor | None, junior: Tensor | None, u: Tensor,
+              allowed: Tensor | None = None) -> Tensor:
+        """A token per row from the logits of that row's ``author``."""
+        if self.fused_sampling:
+            from tandem_lit.rollout import kernels
+
+            if senior is None or junior is None:
+                return kernels.sample_rows(senior if junior is None else junior, u, self.sampling.temperature, allowed=allowed)
+            return kernels.sample_rows(senior, u, self.sampling.temperature, junior, author == Author.JUNIOR, allowed)
         if junior is None:
-            return senior
-        if senior is None:
-            return junior
-        return torch.where((author == Author.JUNIOR).unsqueeze(-1), junior, senior)
+            logits = senior
+        elif senior is None:
+            logits = junior
+        else:
+            logits = torch.where((author == Author.JUNIOR).unsqueeze(-1), junior, senior)
+        return sample_tokens(logits, u, self.sampling, allowed)
+
+    def _senior_logprob(self, senior: Tensor, token: Tensor) -> Tensor:  # [B, V], [B] -> [B, 1]
+        if self.fused_sampling:
+            from tandem_lit.rollout import kernels
+
+            return kernels.token_logprobs(senior, token, self.logprob_temperature).unsqueeze(-1)
+        return (senior.float() / self.logprob_temperature).log_softmax(-1).gather(-1, token.unsqueeze(-1))
 
     def step(self, t: Tensor | int, senior_logits: Tensor | None, junior_logits: Tensor | None) -> Tensor:
         """Append token ``t`` of every sequence and return it.  # logits [B, V'] -> [B] long
@@ -119,7 +140,7 @@ class TandemDecoder:
         v = self.vocab_size
         senior = senior_logits[:, :v] if senior_logits is not None else None
         junior = junior_logits[:, :v] if junior_logits is not None else None
-        candidate = sample_tokens(self._logits_of(s.author, senior, junior), uniform(self.seeds, t, _CANDIDATE), self.sampling)
+        candidate = self._draw(s.author, senior, junior, uniform(self.seeds, t, _CANDIDATE))
         if self.only_author is None:
             token = self._handoff(t, candidate, senior, junior)
         else:
@@ -132,7 +153,7 @@ class TandemDecoder:
         self.tokens.index_copy_(1, index, token.unsqueeze(1))
         self.authors.index_copy_(1, index, code.unsqueeze(1))
         if senior is not None:
-            logprob = (senior.float() / self.logprob_temperature).log_softmax(-1).gather(-1, token.unsqueeze(-1))
+            logprob = self._senior_logprob(senior, token)
             self.logprobs.index_copy_(1, index, torch.where(live.unsqueeze(-1), logprob, 0.0))
         s.carry.copy_(self.rule.update(s.carry, token))
         if not self.sampling.ignore_eos:
@@ -152,7 +173,7 @@ class TandemDecoder:
         drawn = torch.where(uniform(self.seeds, t, _HANDOFF) < self.policy.p, int(Author.JUNIOR), int(Author.SENIOR))
         new_author = torch.where(boundary, drawn, s.author)
         switched = new_author != s.author
-        switch_token = sample_tokens(self._logits_of(new_author, senior, junior), uniform(self.seeds, t, _SWITCH), self.sampling, allowed)
+        switch_token = self._draw(new_author, senior, junior, uniform(self.seeds, t, _SWITCH), allowed)
         if self.policy.max_spans is not None:  # the span limit ends the rollout here, as truncated
             s.finished.logical_or_(boundary & (s.spans >= self.policy.max_spans))
         live = ~s.finished

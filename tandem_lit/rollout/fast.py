@@ -24,6 +24,7 @@ kernel launch gaps, host syncs. So:
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import astuple
 from typing import Literal
 
@@ -275,16 +276,13 @@ class StaticDecoderModel:
         delta = None
         for i, layer in enumerate(self.layers):
             h = kernels.add_rms_norm(x, delta, layer.input_norm.weight, _eps(layer.input_norm))
-            q = kernels.qk_rope_cache(
+            attended = kernels.rope_attention(
                 *layer.project_qkv(h),
                 layer.q_norm.weight if layer.q_norm is not None else None,
                 layer.k_norm.weight if layer.k_norm is not None else None,
                 _eps(layer.q_norm) if layer.q_norm is not None else 0.0,
-                self.cos, self.sin, position, slot, self.k_cache[i], self.v_cache[i],
-                self.heads, self.kv_heads, self.head_dim,
-            )
-            attended = kernels.decode_attention(
-                q, self.k_cache[i], self.v_cache[i], valid, slot, self.scaling, self.heads, self.kv_heads, self.head_dim
+                self.cos, self.sin, position, slot, self.k_cache[i], self.v_cache[i], valid,
+                self.scaling, self.heads, self.kv_heads, self.head_dim,
             )
             delta = layer.o(attended)
             h = kernels.add_rms_norm(x, delta, layer.post_norm.weight, _eps(layer.post_norm))
@@ -314,6 +312,29 @@ class _Batch:
         self.valid = torch.zeros(capacity, length, dtype=torch.bool, device=device)  # attendable slots
         # float32: sampling and log-probs read them several times; convert once per step
         self.logits = {name: torch.zeros(capacity, vocab[name], dtype=torch.float32, device=device) for name in vocab}
+
+
+class _PhaseClock:
+    """Marks points of one ``generate`` without a host sync (CUDA events; the host clock on CPU)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def seconds(self) -> list[float]:
+        """Time between consecutive marks (waits for the last one on CUDA)."""
+        if self.cuda:
+            self.marks[-1].synchronize()
+            return [a.elapsed_time(b) / 1000 for a, b in zip(self.marks, self.marks[1:])]
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]
 
 
 class FastEngine(RolloutEngine):
@@ -367,6 +388,7 @@ class FastEngine(RolloutEngine):
         self._pool = None
         self._weights_at_capture: dict[str, int] = {}
         self._side_stream: torch.cuda.Stream | None = None  # created on the first overlapped step
+        self._last_phases: tuple[_PhaseClock, int] | None = None
         device = self.models["senior"].device
         if self.kernels == "triton" and device.type != "cuda":
             raise ConfigError("FastEngine(kernels='triton') needs a CUDA device; use kernels: torch or auto")
@@ -399,7 +421,8 @@ class FastEngine(RolloutEngine):
         if key not in self._decoders:
             device = self.models["senior"].device
             self._decoders[key] = TandemDecoder(
-                policy, self.token_classes(device), sampling, batch, self.eos_token_ids, self.pad_token_id
+                policy, self.token_classes(device), sampling, batch, self.eos_token_ids, self.pad_token_id,
+                fused_sampling=self.triton,
             )
         return key, self._decoders[key]
 
@@ -511,8 +534,11 @@ class FastEngine(RolloutEngine):
             buf.position[:batch].copy_(prompts.attention_mask.sum(-1) - 1)
             buf.valid[:batch].zero_()
             buf.valid[:batch, :width].copy_(prompts.attention_mask.bool())
+            clock = _PhaseClock(device)
+            clock.mark()
             for name in active:
                 buf.logits[name][:batch].copy_(self.models[name].prefill(prompts.input_ids, prompts.attention_mask))
+            clock.mark()
             steps = 0
             for t in range(sampling.max_new_tokens):
                 if use_graphs:
@@ -522,7 +548,18 @@ class FastEngine(RolloutEngine):
                 steps = t + 1
                 if steps % self.check_every == 0 and decoder.all_finished():
                     break
+            clock.mark()
+        self._last_phases = (clock, steps)
         return decoder.finish(prompts, self.tokenizer, steps)
+
+    def last_timing(self) -> dict[str, float]:
+        """Where the last ``generate`` spent its time: prefill seconds, decode seconds and steps,
+        and the decode step time (graph capture, done once per shape, is outside both)."""
+        if self._last_phases is None:
+            raise RuntimeError("last_timing() reports on a generate() call; none has run yet")
+        clock, steps = self._last_phases
+        prefill, decode = clock.seconds()
+        return {"prefill_s": prefill, "decode_s": decode, "decode_steps": steps, "decode_step_ms": 1000 * decode / max(steps, 1)}
 
     def _kv_len(self, needed: int) -> int:
         if self.triton:  # the attention kernel reads its bound on the device: one graph for all steps

@@ -2,14 +2,16 @@
 
 A decode step of a Llama-family block is a few matrix-vector products (cuBLAS, bandwidth bound)
 and a swarm of small elementwise ops that cost more in kernel gaps than in bytes. These kernels
-fuse that swarm, so one layer runs 12 kernels instead of about 60:
+fuse that swarm, so one layer runs 8 kernels (with fused q/k/v and gate/up weights) instead of about 60:
 
 - ``add_rms_norm``: residual add + RMSNorm (the residual stream is updated in place);
-- ``qk_rope_cache``: per-head Q/K RMSNorm (Qwen3), rotary embedding, and the K/V cache write;
-- ``decode_attention``: grouped-query attention of one new token over the cache, online softmax,
-  reading only the slots written so far (the bound is read on the device, so one CUDA graph
-  serves every step);
-- ``silu_mul``: the gated MLP's activation.
+- ``rope_attention``: per-head Q/K RMSNorm (Qwen3), rotary embedding, the K/V cache write and
+  grouped-query attention of the new token over the cache (online softmax), reading only the
+  slots written so far (the bound is read on the device, so one CUDA graph serves every step);
+- ``silu_mul``: the gated MLP's activation;
+- ``sample_rows`` / ``token_logprobs``: the decoder's inverse-CDF draw (rows from either model's
+  logits, optionally restricted to allowed start tokens) and the senior's log-probs, each one
+  pass over the logits instead of a dozen elementwise passes.
 
 Numerics follow transformers' eager Llama/Qwen3 code (fp32 norms and softmax, rounding to the
 model dtype where it rounds); results agree to bf16 rounding, not bit for bit.
@@ -52,129 +54,118 @@ def add_rms_norm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float) ->
 
 
 @triton.jit
-def _load_head(ptr, w_ptr, offs, mask, half, d, eps, HAS_NORM: tl.constexpr, DTYPE: tl.constexpr):
-    """One head's two halves in fp32, RMS-normalised (Qwen3 q/k norm) when HAS_NORM."""
-    x1 = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(ptr + half + offs, mask=mask, other=0.0).to(tl.float32)
+def _norm_rope(x1, x2, w_ptr, offs, mask, half, d, eps, c1, c2, s1, s2, HAS_NORM: tl.constexpr, DTYPE: tl.constexpr):
+    """Heads as two fp32 halves [heads, HALF]: Qwen3's per-head RMSNorm (when HAS_NORM), then
+    rotary (rotate_half(x) * sin + x * cos), rounded to the model dtype like transformers' code."""
     if HAS_NORM:
-        inv = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / d + eps)
+        inv = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / d + eps)[:, None]
         w1 = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         w2 = tl.load(w_ptr + half + offs, mask=mask, other=0.0).to(tl.float32)
         x1 = (w1 * (x1 * inv).to(DTYPE).to(tl.float32)).to(DTYPE).to(tl.float32)
         x2 = (w2 * (x2 * inv).to(DTYPE).to(tl.float32)).to(DTYPE).to(tl.float32)
-    return x1, x2
+    return (x1 * c1 - x2 * s1).to(DTYPE), (x2 * c2 + x1 * s2).to(DTYPE)
 
 
 @triton.jit
-def _qk_rope_cache_kernel(
-    q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+def _rope_attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, k_cache_ptr, v_cache_ptr, valid_ptr,
     q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr,
-    heads, kv_heads, d, eps, cache_sb, cache_sh, cache_ss, q_sb, k_sb, v_sb,
-    HAS_NORM: tl.constexpr, HALF: tl.constexpr,
+    heads, group, d, eps, scale, q_sb, k_sb, v_sb, cache_sb, cache_sh, cache_ss, valid_sb,
+    HAS_NORM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
-    h = tl.program_id(1)  # query heads first, then key/value heads
+    kvh = tl.program_id(1)
+    dtype = out_ptr.dtype.element_ty
     half = d // 2
-    offs = tl.arange(0, HALF)
+    offs = tl.arange(0, HALF)[None, :]  # [1, HALF]: every head below is 2-D, [heads, HALF]
     mask = offs < half
+    g = tl.arange(0, BLOCK_G)[:, None]
+    qmask = (g < group) & mask
     pos = tl.load(pos_ptr + b)
+    slot = tl.load(slot_ptr)  # the new token's cache slot; slots [0, slot) hold earlier keys
     c1 = tl.load(cos_ptr + pos * d + offs, mask=mask, other=0.0).to(tl.float32)
     c2 = tl.load(cos_ptr + pos * d + half + offs, mask=mask, other=0.0).to(tl.float32)
     s1 = tl.load(sin_ptr + pos * d + offs, mask=mask, other=0.0).to(tl.float32)
     s2 = tl.load(sin_ptr + pos * d + half + offs, mask=mask, other=0.0).to(tl.float32)
-    dtype = q_out_ptr.dtype.element_ty
-    if h < heads:
-        x1, x2 = _load_head(q_ptr + b * q_sb + h * d, q_norm_ptr, offs, mask, half, d, eps, HAS_NORM, dtype)
-        out = q_out_ptr + b * heads * d + h * d
-    else:
-        g = h - heads
-        x1, x2 = _load_head(k_ptr + b * k_sb + g * d, k_norm_ptr, offs, mask, half, d, eps, HAS_NORM, dtype)
-        cache = b * cache_sb + g * cache_sh + tl.load(slot_ptr) * cache_ss
-        out = k_cache_ptr + cache
-        vbase = v_ptr + b * v_sb + g * d
-        tl.store(v_cache_ptr + cache + offs, tl.load(vbase + offs, mask=mask, other=0.0), mask=mask)
-        tl.store(v_cache_ptr + cache + half + offs, tl.load(vbase + half + offs, mask=mask, other=0.0), mask=mask)
-    tl.store(out + offs, (x1 * c1 - x2 * s1).to(dtype), mask=mask)  # rotary: rotate_half(x) * sin + x * cos
-    tl.store(out + half + offs, (x2 * c2 + x1 * s2).to(dtype), mask=mask)
-
-
-def qk_rope_cache(
-    q: Tensor, k: Tensor, v: Tensor, q_norm: Tensor | None, k_norm: Tensor | None, eps: float,
-    cos: Tensor, sin: Tensor, position: Tensor, slot: Tensor, k_cache: Tensor, v_cache: Tensor,
-    heads: int, kv_heads: int, head_dim: int,
-) -> Tensor:
-    """Rotary (and Qwen3 per-head norm) on q and k; k and v written at ``slot``.
-
-    q [B, H*D], k/v [B, KV*D] (rows may be strided views of one fused projection), cos/sin
-    [S, D], position [B], slot [1] -> rotated q [B, H*D] (contiguous)
-    """
-    batch = q.shape[0]
-    q_out = torch.empty((batch, heads * head_dim), dtype=q.dtype, device=q.device)
-    has_norm = q_norm is not None
-    _qk_rope_cache_kernel[(batch, heads + kv_heads)](
-        q, k, v, q_out, k_cache, v_cache,
-        q_norm if has_norm else q, k_norm if has_norm else k, cos, sin, position, slot,
-        heads, kv_heads, head_dim, eps, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        q.stride(0), k.stride(0), v.stride(0),
-        HAS_NORM=has_norm, HALF=triton.next_power_of_2(head_dim // 2),
-    )
-    return q_out
-
-
-@triton.jit
-def _decode_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, valid_ptr, out_ptr, slot_ptr,
-    heads, group, d, scale, cache_sb, cache_sh, cache_ss, valid_sb,
-    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    g = tl.arange(0, BLOCK_G)
-    dd = tl.arange(0, BLOCK_D)
-    g_mask = g < group
-    d_mask = dd < d
-    q = tl.load(q_ptr + b * heads * d + (kvh * group + g)[:, None] * d + dd[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-    end = tl.load(slot_ptr) + 1  # slots [0, end) hold keys
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_sum = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    cache = k_cache_ptr + b * cache_sb + kvh * cache_sh
-    vcache = v_cache_ptr + b * cache_sb + kvh * cache_sh
-    for start in range(0, end, BLOCK_N):
+    # this KV head's query group [G, HALF] x 2, and the new key/value [HALF] x 2
+    q_rows = q_ptr + b * q_sb + (kvh * group + g) * d + offs
+    q1, q2 = _norm_rope(tl.load(q_rows, mask=qmask, other=0.0).to(tl.float32),
+                        tl.load(q_rows + half, mask=qmask, other=0.0).to(tl.float32),
+                        q_norm_ptr, offs, mask, half, d, eps, c1, c2, s1, s2, HAS_NORM, dtype)
+    k_row = k_ptr + b * k_sb + kvh * d + offs
+    k1, k2 = _norm_rope(tl.load(k_row, mask=mask, other=0.0).to(tl.float32),
+                        tl.load(k_row + half, mask=mask, other=0.0).to(tl.float32),
+                        k_norm_ptr, offs, mask, half, d, eps, c1, c2, s1, s2, HAS_NORM, dtype)
+    v_row = v_ptr + b * v_sb + kvh * d + offs
+    v1 = tl.load(v_row, mask=mask, other=0.0)
+    v2 = tl.load(v_row + half, mask=mask, other=0.0)
+    cache = b * cache_sb + kvh * cache_sh
+    new = cache + slot * cache_ss + offs
+    tl.store(k_cache_ptr + new, k1, mask=mask)
+    tl.store(k_cache_ptr + new + half, k2, mask=mask)
+    tl.store(v_cache_ptr + new, v1, mask=mask)
+    tl.store(v_cache_ptr + new + half, v2, mask=mask)
+    # online softmax, seeded with the new token (always attendable) from registers
+    m = (tl.sum(q1.to(tl.float32) * k1.to(tl.float32), axis=1)
+         + tl.sum(q2.to(tl.float32) * k2.to(tl.float32), axis=1)) * scale  # [G]
+    l_sum = tl.full([BLOCK_G], 1.0, tl.float32)
+    acc1 = tl.zeros([BLOCK_G, HALF], tl.float32) + v1.to(tl.float32)
+    acc2 = tl.zeros([BLOCK_G, HALF], tl.float32) + v2.to(tl.float32)
+    keys = k_cache_ptr + cache
+    values = v_cache_ptr + cache
+    for start in range(0, slot, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        in_range = n < end
+        in_range = n < slot
         ok = in_range & (tl.load(valid_ptr + b * valid_sb + n, mask=in_range, other=0) != 0)
-        k = tl.load(cache + n[:, None] * cache_ss + dd[None, :], mask=in_range[:, None] & d_mask[None, :], other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
+        tile = n[:, None] * cache_ss + offs
+        tile_mask = in_range[:, None] & mask
+        kt1 = tl.load(keys + tile, mask=tile_mask, other=0.0)
+        kt2 = tl.load(keys + tile + half, mask=tile_mask, other=0.0)
+        scores = (tl.dot(q1, tl.trans(kt1), input_precision=PRECISION)
+                  + tl.dot(q2, tl.trans(kt2), input_precision=PRECISION)).to(tl.float32) * scale
         scores = tl.where(ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(scores - m_safe[:, None])
-        alpha = tl.exp(m - m_safe)
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m - m_new)
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        v = tl.load(vcache + n[:, None] * cache_ss + dd[None, :], mask=in_range[:, None] & d_mask[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
+        vt1 = tl.load(values + tile, mask=tile_mask, other=0.0)
+        vt2 = tl.load(values + tile + half, mask=tile_mask, other=0.0)
+        acc1 = acc1 * alpha[:, None] + tl.dot(p.to(vt1.dtype), vt1, input_precision=PRECISION).to(tl.float32)
+        acc2 = acc2 * alpha[:, None] + tl.dot(p.to(vt2.dtype), vt2, input_precision=PRECISION).to(tl.float32)
         m = m_new
-    out = acc / l_sum[:, None]
-    tl.store(out_ptr + b * heads * d + (kvh * group + g)[:, None] * d + dd[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+    out = out_ptr + b * heads * d + (kvh * group + g) * d + offs
+    tl.store(out, (acc1 / l_sum[:, None]).to(dtype), mask=qmask)
+    tl.store(out + half, (acc2 / l_sum[:, None]).to(dtype), mask=qmask)
 
 
-def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, valid: Tensor, slot: Tensor, scale: float,
-                     heads: int, kv_heads: int, head_dim: int, block_n: int = 64, num_warps: int = 4,
-                     num_stages: int = 2) -> Tensor:
-    """One query token per sequence over cache slots [0, slot]; invalid (padding) slots masked.
+def rope_attention(
+    q: Tensor, k: Tensor, v: Tensor, q_norm: Tensor | None, k_norm: Tensor | None, eps: float,
+    cos: Tensor, sin: Tensor, position: Tensor, slot: Tensor, k_cache: Tensor, v_cache: Tensor, valid: Tensor,
+    scale: float, heads: int, kv_heads: int, head_dim: int, block_n: int | None = None, num_warps: int | None = None,
+    num_stages: int = 2,
+) -> Tensor:
+    """One new token per sequence: (Qwen3) q/k norm, rotary, K/V written at ``slot``, then
+    grouped-query attention over the valid cache slots [0, slot] — one kernel per layer.
 
-    q [B, H*D], caches [Bcap, KV, S, D], valid [Bcap, S] bool -> [B, H*D]
+    q [B, H*D], k/v [B, KV*D] (rows may be strided views of one fused projection), cos/sin
+    [S, D], position [B], slot [1], caches [Bcap, KV, S, D], valid [Bcap, S] bool -> [B, H*D]
     """
     batch = q.shape[0]
-    out = torch.empty_like(q)
+    if block_n is None or num_warps is None:
+        # benchmarks/attention_tune.py on an H200 (Qwen3-4B heads): from batch 64 up, many
+        # programs are in flight and small ones win; below, each program must pull more bytes
+        block_n, num_warps = (64, 2) if batch >= 64 else (128, 4)
+    out = torch.empty((batch, heads * head_dim), dtype=q.dtype, device=q.device)
+    has_norm = q_norm is not None
     group = heads // kv_heads
-    _decode_attention_kernel[(batch, kv_heads)](
-        q, k_cache, v_cache, valid.view(torch.uint8), out, slot,
-        heads, group, head_dim, scale, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), valid.stride(0),
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+    _rope_attention_kernel[(batch, kv_heads)](
+        q, k, v, out, k_cache, v_cache, valid.view(torch.uint8),
+        q_norm if has_norm else q, k_norm if has_norm else k, cos, sin, position, slot,
+        heads, group, head_dim, eps, scale, q.stride(0), k.stride(0), v.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), valid.stride(0),
+        HAS_NORM=has_norm, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        HALF=max(16, triton.next_power_of_2(head_dim // 2)),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
     )
     return out
@@ -197,4 +188,108 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     rows, n = gate.shape
     out = torch.empty((rows, n), dtype=gate.dtype, device=gate.device)
     _silu_mul_kernel[(rows, triton.cdiv(n, 1024))](gate, up, out, n, gate.stride(0), up.stride(0), BLOCK=1024)
+    return out
+
+
+@triton.jit
+def _sample_kernel(
+    a_ptr, b_ptr, pick_b_ptr, u_ptr, allowed_ptr, out_ptr, scratch_ptr, a_sb, b_sb, allowed_sb, inv_t,
+    V: tl.constexpr, HAS_B: tl.constexpr, HAS_ALLOWED: tl.constexpr, GREEDY: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCKS: tl.constexpr, BLOCKS_P2: tl.constexpr,
+):
+    row = tl.program_id(0)
+    base = a_ptr + row * a_sb
+    if HAS_B:  # this row samples from the other model's logits
+        if tl.load(pick_b_ptr + row) != 0:
+            base = b_ptr + row * b_sb
+    allowed = allowed_ptr + row * allowed_sb
+    cols = tl.arange(0, BLOCK)
+    scratch = scratch_ptr + row * 2 * BLOCKS_P2
+    # one pass: each block's max and its sum of exp((x - block max) / T), the row's max and argmax
+    m = float("-inf")
+    best = 0
+    for i in range(0, BLOCKS):
+        x = tl.load(base + i * BLOCK + cols, mask=i * BLOCK + cols < V, other=float("-inf"))
+        if HAS_ALLOWED:
+            ok = tl.load(allowed + i * BLOCK + cols, mask=i * BLOCK + cols < V, other=0) != 0
+            x = tl.where(ok, x, float("-inf"))
+        block_max, block_arg = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        best = tl.where(block_max > m, i * BLOCK + block_arg, best)  # strict: the first maximum wins
+        m = tl.maximum(m, block_max)
+        if not GREEDY:
+            shift = tl.where(block_max == float("-inf"), 0.0, block_max)
+            tl.store(scratch + i, tl.sum(tl.exp((x - shift) * inv_t), axis=0))
+            tl.store(scratch + BLOCKS_P2 + i, block_max)
+    if GREEDY:
+        tl.store(out_ptr + row, best)
+    else:
+        tl.debug_barrier()  # the block sums above were stored by other threads of this program
+        blocks = tl.arange(0, BLOCKS_P2)
+        sums = tl.load(scratch + blocks, mask=blocks < BLOCKS, other=0.0)
+        maxes = tl.load(scratch + BLOCKS_P2 + blocks, mask=blocks < BLOCKS, other=float("-inf"))
+        weights = sums * tl.exp((maxes - m) * inv_t)  # every block against the row's max
+        cdf = tl.cumsum(weights, axis=0)
+        target = tl.load(u_ptr + row) * tl.sum(weights, axis=0)
+        chosen = tl.minimum(tl.sum((cdf <= target).to(tl.int32), axis=0), BLOCKS - 1)  # first block past target
+        before = tl.sum(tl.where(blocks < chosen, weights, 0.0), axis=0)
+        x = tl.load(base + chosen * BLOCK + cols, mask=chosen * BLOCK + cols < V, other=float("-inf"))
+        if HAS_ALLOWED:
+            ok = tl.load(allowed + chosen * BLOCK + cols, mask=chosen * BLOCK + cols < V, other=0) != 0
+            x = tl.where(ok, x, float("-inf"))
+        w = tl.exp((x - m) * inv_t)
+        offset = tl.minimum(tl.sum((tl.cumsum(w, axis=0) <= target - before).to(tl.int32), axis=0), BLOCK - 1)
+        w_at = tl.sum(tl.where(cols == offset, w, 0.0), axis=0)
+        # rounding between the two levels can land on a zero-weight token: take the mode instead
+        tl.store(out_ptr + row, tl.where(w_at > 0, chosen * BLOCK + offset, best))
+
+
+def sample_rows(a: Tensor, u: Tensor, temperature: float, b: Tensor | None = None, pick_b: Tensor | None = None,
+                allowed: Tensor | None = None, block: int = 2048) -> Tensor:
+    """One token per row by inverse CDF with the uniforms ``u`` (argmax when temperature is 0):
+    the fused GPU form of ``sampling.sample_tokens`` without top-k/top-p.
+
+    a, b [B, V] float32 (row-strided), pick_b [B] bool: rows drawn from b instead of a;
+    allowed [V] or [B, V] bool: tokens that may be drawn -> [B] long
+    """
+    batch, vocab = a.shape
+    blocks = triton.cdiv(vocab, block)
+    out = torch.empty(batch, dtype=torch.long, device=a.device)
+    scratch = torch.empty((batch, 2 * triton.next_power_of_2(blocks)), dtype=torch.float32, device=a.device)
+    if allowed is not None:
+        if allowed.stride(-1) != 1:
+            allowed = allowed.contiguous()
+        allowed = allowed.view(torch.uint8)
+    _sample_kernel[(batch,)](
+        a, b if b is not None else a, pick_b if pick_b is not None else u, u,
+        allowed if allowed is not None else a, out, scratch,
+        a.stride(0), b.stride(0) if b is not None else 0,
+        (allowed.stride(0) if allowed.dim() == 2 else 0) if allowed is not None else 0,
+        1.0 / temperature if temperature > 0 else 1.0,
+        V=vocab, HAS_B=b is not None, HAS_ALLOWED=allowed is not None, GREEDY=temperature == 0,
+        BLOCK=block, BLOCKS=blocks, BLOCKS_P2=triton.next_power_of_2(blocks), num_warps=8,
+    )
+    return out
+
+
+@triton.jit
+def _token_logprob_kernel(x_ptr, token_ptr, out_ptr, x_sb, inv_t, V: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    m = float("-inf")
+    total = 0.0
+    for start in range(0, V, BLOCK):  # online log-sum-exp of x / T
+        x = tl.load(x_ptr + row * x_sb + start + cols, mask=start + cols < V, other=float("-inf")) * inv_t
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        total = total * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        m = m_new
+    chosen = tl.load(x_ptr + row * x_sb + tl.load(token_ptr + row)) * inv_t
+    tl.store(out_ptr + row, chosen - m - tl.log(total))
+
+
+def token_logprobs(logits: Tensor, token: Tensor, temperature: float, block: int = 4096) -> Tensor:
+    """log_softmax(logits / T)[token] per row, in one pass.  # [B, V] float32, [B] long -> [B] float32"""
+    batch, vocab = logits.shape
+    out = torch.empty(batch, dtype=torch.float32, device=logits.device)
+    _token_logprob_kernel[(batch,)](logits, token, out, logits.stride(0), 1.0 / temperature,
+                                    V=vocab, BLOCK=block, num_warps=8)
     return out
