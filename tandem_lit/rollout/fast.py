@@ -4,8 +4,8 @@ Decoding is memory-bandwidth bound: each step must read both models' weights and
 caches once. Everything else is overhead to remove: per-token Python, dynamic cache growth,
 kernel launch gaps, host syncs. So:
 
-- Prefill runs the models' own Hugging Face forward once per batch (left-padded prompts of any
-  lengths); its keys/values are copied into preallocated static caches.
+- Prefill runs the models' own Hugging Face decoder stack once per batch (left-padded prompts of
+  any lengths); its keys/values are copied into preallocated static caches.
 - One decode step = senior forward + junior forward + sampling + handoff draw + author record +
   stop flags (the shared ``TandemDecoder``), written against static buffers and captured once as
   a CUDA graph per (batch size, attention length bucket, sampling/handoff settings), then
@@ -214,7 +214,8 @@ class StaticDecoderModel:
 
     @torch.no_grad()
     def prefill(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:  # -> [B, V]
-        """The model's own forward over the prompts; keys/values land in slots [0, P)."""
+        """The model's own decoder stack over the prompts, then its LM head on the last position;
+        keys/values land in slots [0, P)."""
         from transformers import DynamicCache
 
         from tandem_lit.rollout.engine import cache_kwarg
