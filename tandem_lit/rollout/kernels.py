@@ -88,7 +88,7 @@ def _rope_attention_kernel(
     c2 = tl.load(cos_ptr + pos * d + half + offs, mask=mask, other=0.0).to(tl.float32)
     s1 = tl.load(sin_ptr + pos * d + offs, mask=mask, other=0.0).to(tl.float32)
     s2 = tl.load(sin_ptr + pos * d + half + offs, mask=mask, other=0.0).to(tl.float32)
-    # this KV head's query group [G, HALF] x 2, and the new key/value [HALF] x 2
+    # this KV head's query group [G, HALF] x 2 halves, and the new key/value [1, HALF] x 2
     q_rows = q_ptr + b * q_sb + (kvh * group + g) * d + offs
     q1, q2 = _norm_rope(tl.load(q_rows, mask=qmask, other=0.0).to(tl.float32),
                         tl.load(q_rows + half, mask=qmask, other=0.0).to(tl.float32),
