@@ -171,6 +171,20 @@ def test_batches_of_other_sizes_and_lengths_reuse_the_engine(tokenizer, device):
         assert_same_rollouts(reference.generate(batch, WordHandoff(0.5), sampling), fast.generate(batch, WordHandoff(0.5), sampling))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_last_timing_splits_prefill_and_decode(tokenizer, device):
+    senior = build("llama", len(tokenizer), 64, 2, seed=0).to(device)
+    _, fast = engines(senior, None, tokenizer)
+    with pytest.raises(RuntimeError, match="none has run yet"):
+        fast.last_timing()
+    # the host looks at the stop flags every 16 steps (check_every), so all 12 steps run
+    out = fast.generate(prompt_batch(tokenizer, device), SoloHandoff(), SamplingConfig(temperature=1.0, max_new_tokens=12))
+    timing = fast.last_timing()
+    assert timing["decode_steps"] == 12 and int(out.lengths.max()) <= 12
+    assert timing["prefill_s"] > 0 and timing["decode_s"] > 0
+    assert timing["decode_step_ms"] == pytest.approx(1000 * timing["decode_s"] / 12)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels need a GPU")
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
 def test_triton_kernels_match_torch_path(tokenizer, arch):
