@@ -1,4 +1,4 @@
-"""FastEngine: same rollouts as the reference HFEngine, live weights, correct log-probs.
+"""FastEngine: same rollouts as the reference HFEngine, updated weights, correct log-probs.
 
 Runs on CPU (eager decode step) everywhere and, where a GPU is present, also on CUDA with the
 decode step captured as a CUDA graph.
@@ -48,9 +48,11 @@ def prompt_batch(tokenizer, device, prompts=PROMPTS, seed=0):
     return PromptBatch(enc.input_ids, enc.attention_mask, sequence_seeds(seed, 0, len(prompts))).to(device)
 
 
-def engines(senior, junior, tokenizer, kernels="torch"):
-    """The reference engine and a FastEngine; the torch kernels are comparable bit for bit."""
-    reference, fast = HFEngine(), FastEngine(kernels=kernels)
+def engines(senior, junior, tokenizer, kernels="torch", rollout_dtype="float32"):
+    """The reference engine and a FastEngine; the torch kernels are comparable bit for bit.
+    float32 rollouts: these tests compare against the float32 models themselves."""
+    reference = HFEngine(rollout_dtype=rollout_dtype)
+    fast = FastEngine(kernels=kernels, rollout_dtype=rollout_dtype)
     reference.setup(senior, junior, tokenizer)
     fast.setup(senior, junior, tokenizer)
     return reference, fast
@@ -131,15 +133,21 @@ def test_senior_logprobs_match_teacher_forcing(tokenizer, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("lora", [True, False])
-def test_next_rollout_reads_updated_weights(tokenizer, device, lora):
+@pytest.mark.parametrize("rollout_dtype", ["live", "float32"])
+def test_next_rollout_reads_updated_weights(tokenizer, device, lora, rollout_dtype):
+    """``live`` reads the trained parameters (LoRA adapters too) at every step; a rollout copy
+    (here: float32 with the adapters merged) keeps decoding the old policy until ``load_weights``."""
     from peft import LoraConfig, get_peft_model
+
+    from tandem_lit.rollout.weights import rollout_named_tensors
 
     senior = build("llama", len(tokenizer), 64, 2, seed=0).to(device)
     if lora:
         senior = get_peft_model(senior, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
     junior = build("llama", len(tokenizer), 32, 1, seed=1).to(device)
-    # default kernels: on GPU the fused q/k/v and gate/up copies must be re-synced
-    reference, fast = engines(senior, junior, tokenizer, kernels="auto")
+    # default kernels: on GPU the fused q/k/v and gate/up weights must follow the update
+    _, fast = engines(senior, junior, tokenizer, kernels="auto", rollout_dtype=rollout_dtype)
+    assert fast.decodes_copy == (lora and rollout_dtype != "live")
     prompts = prompt_batch(tokenizer, device)
     greedy = SamplingConfig(temperature=0.0, max_new_tokens=24)
     before = fast.generate(prompts, SoloHandoff(), greedy)
@@ -151,12 +159,17 @@ def test_next_rollout_reads_updated_weights(tokenizer, device, lora):
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+    if fast.decodes_copy:
+        assert_same_rollouts(before, fast.generate(prompts, SoloHandoff(), greedy))  # the copy has not moved
+        fast.load_weights(rollout_named_tensors(senior))
     after = fast.generate(prompts, SoloHandoff(), greedy)
     assert not torch.equal(before.completion_ids, after.completion_ids), "the update should change greedy output"
+    reference = HFEngine(rollout_dtype="live")
+    reference.setup(senior, junior, tokenizer)
     expected = reference.generate(prompts, SoloHandoff(), greedy)
-    if device == "cpu":
+    if device == "cpu" and not fast.decodes_copy:
         assert_same_rollouts(expected, after)
-    else:  # fused kernels: the same policy up to float rounding
+    else:  # fused kernels, or merged adapters: the same policy up to float rounding
         assert (expected.completion_ids == after.completion_ids).float().mean() > 0.9
 
 
@@ -183,6 +196,23 @@ def test_last_timing_splits_prefill_and_decode(tokenizer, device):
     assert timing["decode_steps"] == 12 and int(out.lengths.max()) <= 12
     assert timing["prefill_s"] > 0 and timing["decode_s"] > 0
     assert timing["decode_step_ms"] == pytest.approx(1000 * timing["decode_s"] / 12)
+    assert timing["setup_s"] > 0  # the first call allocates the caches (and captures on GPU)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_release_frees_the_caches_and_the_next_rollout_is_the_same(tokenizer, device):
+    senior = build("qwen3", len(tokenizer), 64, 2, seed=0).to(device)
+    junior = build("qwen3", len(tokenizer), 32, 1, seed=1).to(device)
+    _, fast = engines(senior, junior, tokenizer, kernels="auto")
+    prompts = prompt_batch(tokenizer, device)
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=20)
+    first = fast.generate(prompts, WordHandoff(0.5), sampling)
+    fast.release()
+    assert fast._batch is None and not fast._graphs
+    assert all(not m.k_cache and not m.v_cache for m in fast.models.values())
+    again = fast.generate(prompts, WordHandoff(0.5), sampling)
+    assert_same_rollouts(first, again)
+    assert fast.last_timing()["setup_s"] > 0  # re-allocated (and re-captured on GPU)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels need a GPU")
@@ -202,8 +232,8 @@ def test_triton_kernels_match_torch_path(tokenizer, arch):
     # bf16: the same decode logits up to bf16 rounding
     for model in (senior, junior):
         model.to(torch.bfloat16)
-    _, plain = engines(senior, junior, tokenizer, kernels="torch")
-    _, fused = engines(senior, junior, tokenizer, kernels="triton")
+    _, plain = engines(senior, junior, tokenizer, kernels="torch", rollout_dtype="bfloat16")
+    _, fused = engines(senior, junior, tokenizer, kernels="triton", rollout_dtype="bfloat16")
     a = plain.generate(prompts, SoloHandoff(), SamplingConfig(temperature=0.0, max_new_tokens=8))
     b = fused.generate(prompts, SoloHandoff(), SamplingConfig(temperature=0.0, max_new_tokens=8))
     # token 0 comes from the shared prefill; token 1 is the first decode step of each path

@@ -3,6 +3,12 @@
 ``RolloutEngine`` is the interface. ``HFEngine`` is the reference implementation: an eager
 loop over Hugging Face forwards with dynamic KV caches. It runs any causal LM (LoRA-wrapped
 included) and is the baseline the fast engine is measured against.
+
+Every engine decodes the senior from its rollout weights (``tandem_lit.rollout.weights``): a
+plain copy in the rollout dtype (bf16 on a GPU), LoRA merged, refreshed through
+``load_weights(named_tensors)`` after the optimiser moves the trained weights; or, when decoding
+the trained weights needs no conversion (same dtype, no adapters) or ``rollout_dtype: live``, the
+trained model itself.
 """
 
 from __future__ import annotations
@@ -19,6 +25,14 @@ from tandem_lit.rollout.decoder import TandemDecoder
 from tandem_lit.rollout.handoff import HandoffPolicy, TokenClasses
 from tandem_lit.rollout.record import Author, PromptBatch, Rollout
 from tandem_lit.rollout.sampling import SamplingConfig
+from tandem_lit.rollout.weights import (
+    build_rollout_copy,
+    check_rollout_dtype,
+    load_named_tensors,
+    needs_copy,
+    rollout_dtype,
+    rollout_named_tensors,
+)
 
 
 class TokenizerMismatchError(ConfigError):
@@ -76,20 +90,58 @@ def eval_mode(*models: nn.Module | None):
 
 
 class RolloutEngine(ABC):
-    """Generates tandem rollouts. ``setup`` binds the models once; ``generate`` runs a batch."""
+    """Generates tandem rollouts. ``setup`` binds the models once; ``generate`` runs a batch.
+
+    ``senior`` is what the engine decodes (its rollout copy, or the trained model when that needs
+    no conversion); ``trained_senior`` is the model the optimiser updates. ``rollout_dtype``:
+    ``auto`` (bf16 on a GPU that has it, else the trained weights' dtype), ``bfloat16``,
+    ``float16``, ``float32``, or ``live`` (always decode the trained weights in place).
+    """
 
     senior: nn.Module
+    trained_senior: nn.Module
     junior: nn.Module | None
     tokenizer: object
+    rollout_dtype: str = "auto"  # engines take it as an __init__ argument
 
     def setup(self, senior: nn.Module, junior: nn.Module | None, tokenizer, junior_tokenizer=None) -> None:
         check_shared_tokenizer(tokenizer, junior_tokenizer)
-        self.senior = senior
+        self.bind_senior(senior)
         self.junior = junior
         self.tokenizer = tokenizer
         self.eos_token_ids = end_token_ids(tokenizer, senior)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
         self._classes: TokenClasses | None = None
+
+    def bind_senior(self, trained: nn.Module) -> None:
+        """Decode from a rollout copy of ``trained`` where its weights need converting (dtype,
+        adapters, 4-bit base), else from ``trained`` itself."""
+        self.trained_senior = self.senior = trained
+        self.weights_version = 0
+        if self.rollout_dtype == "live":
+            return
+        dtype = rollout_dtype(self.rollout_dtype, trained)
+        if needs_copy(trained, dtype):
+            self.senior = build_rollout_copy(trained, dtype)
+            load_named_tensors(self.senior, rollout_named_tensors(trained))
+
+    @property
+    def decodes_copy(self) -> bool:
+        """True when the engine decodes its own copy, which ``load_weights`` must refresh."""
+        return self.senior is not self.trained_senior
+
+    def load_weights(self, named_tensors) -> int:
+        """Load (name, tensor) pairs, in the plain model's parameter names, into the rollout copy;
+        they must cover it exactly. The seam every weight producer uses (one process: the module's
+        ``rollout_named_tensors``; sharded training: gathered shards). Returns the count loaded."""
+        if not self.decodes_copy:
+            raise ConfigError("this engine decodes the trained senior in place (no rollout copy): nothing to load")
+        loaded = load_named_tensors(self.senior, named_tensors)
+        self.weights_version += 1
+        return loaded
+
+    def release(self) -> None:  # noqa: B027 (engines with dynamic caches hold nothing between calls)
+        """Free generation memory (caches, captured graphs) until the next ``generate``."""
 
     def token_classes(self, device: torch.device) -> TokenClasses:
         if self._classes is None or self._classes.starts_ws.device != device:
@@ -120,10 +172,12 @@ class HFEngine(RolloutEngine):
 
     Args:
         check_every: Look for all-finished batches every this many tokens (one host sync each).
+        rollout_dtype: Dtype of the senior's rollout copy (see ``RolloutEngine``).
     """
 
-    def __init__(self, check_every: int = 1):
+    def __init__(self, check_every: int = 1, rollout_dtype: str = "auto"):
         self.check_every = max(1, check_every)
+        self.rollout_dtype = check_rollout_dtype(rollout_dtype)
 
     def generate(self, prompts: PromptBatch, policy: HandoffPolicy, sampling: SamplingConfig) -> Rollout:
         device = next(self.senior.parameters()).device

@@ -11,8 +11,10 @@ kernel launch gaps, host syncs. So:
   a CUDA graph per (batch size, attention length bucket, sampling/handoff settings), then
   replayed. The host looks at the finished flags every ``check_every`` steps only.
 - The decode forward is a small reimplementation of the Llama-family block (Llama, Mistral,
-  Qwen2, Qwen3) that reads the models' live parameters, LoRA adapters included, so the rollout
-  after an optimiser step uses the new policy with no weight sync.
+  Qwen2, Qwen3) that reads the parameters of the model it is given. In training that is the
+  senior's rollout copy (bf16, LoRA merged; ``tandem_lit.rollout.weights``), refreshed through
+  ``load_weights`` after optimiser updates; with ``rollout_dtype: live`` it reads the trained
+  parameters themselves, LoRA adapters included.
 - On CUDA the junior's forward runs on a second stream, concurrently with the senior's (both
   read only the token just appended; they meet again at the next step's sampling), so one
   model's small latency-bound kernels fill the other's gaps. The fork/join is captured into
@@ -38,6 +40,7 @@ from tandem_lit.rollout.engine import RolloutEngine, eval_mode
 from tandem_lit.rollout.handoff import HandoffPolicy
 from tandem_lit.rollout.record import PromptBatch, Rollout
 from tandem_lit.rollout.sampling import SamplingConfig
+from tandem_lit.rollout.weights import check_rollout_dtype
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _POSITION_ONLY_ROPE = ("default", "linear", "llama3", "yarn", None)
@@ -72,19 +75,31 @@ class _Linear:
 
 
 class _Fused:
-    """Projections of one input as one GEMM, over a synced copy of their weights.
+    """Projections of one input as one GEMM over one concatenated weight.
 
     Reading q/k/v (and gate/up) as one matrix is markedly faster at decode batch sizes than three
-    (two) thin products. The copy is refreshed from the live parameters by ``sync()`` at the start
-    of every rollout batch, so it never lags the policy. Only for projections without LoRA.
+    (two) thin products. With ``share`` (the engine's own rollout copy) the parts' parameters
+    become views of the fused tensor, so loading weights into them fills it: no second copy, no
+    sync. Otherwise (trained weights decoded in place) the fused tensor is a copy that ``sync()``
+    refreshes at the start of every rollout batch, so it never lags the policy. Only for
+    projections without LoRA.
     """
 
-    def __init__(self, parts: list[_Linear]):
+    def __init__(self, parts: list[_Linear], share: bool = False):
         self.parts = parts
         self.sizes = [p.weight.shape[0] for p in parts]
         self.weight = torch.cat([p.weight.detach() for p in parts])
         has_bias = any(p.bias is not None for p in parts)
         self.bias = torch.cat([self._bias(p) for p in parts]) if has_bias else None
+        self.shared = share
+        if share:
+            for part, weight, bias in zip(parts, self.weight.split(self.sizes), self._bias_views()):
+                part.weight.data = weight
+                if part.bias is not None:
+                    part.bias.data = bias
+
+    def _bias_views(self) -> list[Tensor | None]:
+        return list(self.bias.split(self.sizes)) if self.bias is not None else [None] * len(self.parts)
 
     @staticmethod
     def _bias(part: _Linear) -> Tensor:
@@ -92,6 +107,8 @@ class _Fused:
         return part.bias.detach() if part.bias is not None else w.new_zeros(w.shape[0])
 
     def sync(self) -> None:
+        if self.shared:
+            return
         torch.cat([p.weight.detach() for p in self.parts], out=self.weight)
         if self.bias is not None:
             torch.cat([self._bias(p) for p in self.parts], out=self.bias)
@@ -125,11 +142,11 @@ class _Layer:
         self.qkv: _Fused | None = None
         self.gate_up: _Fused | None = None
 
-    def fuse(self) -> None:
+    def fuse(self, share: bool) -> None:
         if not (self.q.lora or self.k.lora or self.v.lora):
-            self.qkv = _Fused([self.q, self.k, self.v])
+            self.qkv = _Fused([self.q, self.k, self.v], share)
         if not (self.gate.lora or self.up.lora):
-            self.gate_up = _Fused([self.gate, self.up])
+            self.gate_up = _Fused([self.gate, self.up], share)
 
     def sync(self) -> None:
         for fused in (self.qkv, self.gate_up):
@@ -188,9 +205,9 @@ class StaticDecoderModel:
     def first_weight_ptr(self) -> int:
         return self.embed.weight.data_ptr()
 
-    def fuse_projections(self) -> None:
+    def fuse_projections(self, share: bool) -> None:
         for layer in self.layers:
-            layer.fuse()
+            layer.fuse(share)
 
     def sync(self) -> None:
         """Refresh the fused weight copies from the live parameters."""
@@ -204,6 +221,7 @@ class StaticDecoderModel:
                 f"sequences of {length} tokens exceed the model's sliding window ({self.sliding_window}); "
                 "FastEngine attends to the full context: use HFEngine"
             )
+        self.free()  # the old caches go before the new ones are allocated
         shape = (batch, self.kv_heads, length, self.head_dim)
         self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
@@ -211,6 +229,10 @@ class StaticDecoderModel:
         positions = torch.arange(length, device=self.device).unsqueeze(0)
         cos, sin = self.rotary(probe, positions)
         self.cos, self.sin = cos[0].to(self.dtype), sin[0].to(self.dtype)  # [length, head_dim]
+
+    def free(self) -> None:
+        self.k_cache, self.v_cache = [], []
+        self.cos = self.sin = None
 
     @torch.no_grad()
     def prefill(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:  # -> [B, V]
@@ -355,11 +377,14 @@ class FastEngine(RolloutEngine):
         kv_block: Attention length bucket of the torch path (tokens): each graph attends to a
             multiple of this, so short sequences do not read the whole cache.
         check_every: Look at the finished flags every this many steps (one host sync each).
-        fuse_weights: With the Triton kernels, run q/k/v and gate/up as one GEMM each over a copy
-            of their weights, re-synced from the live parameters at every ``generate`` (costs
-            that copy's memory; projections with LoRA adapters are never fused).
+        fuse_weights: With the Triton kernels, run q/k/v and gate/up as one GEMM each. The rollout
+            copy and the frozen junior store those weights fused (no extra memory); trained
+            weights decoded in place get a fused copy re-synced at every ``generate``.
+            Projections with LoRA adapters (``rollout_dtype: live``) are never fused.
         overlap_junior: On CUDA, in tandem, run the junior's decode forward on a second stream
             concurrently with the senior's (same results; off: one stream, one after the other).
+        rollout_dtype: Dtype of the senior's rollout copy (see ``RolloutEngine``; ``auto``: bf16 on
+            a GPU, so a float32 or LoRA-wrapped senior decodes at bf16 speed).
     """
 
     def __init__(
@@ -370,6 +395,7 @@ class FastEngine(RolloutEngine):
         check_every: int = 16,
         fuse_weights: bool = True,
         overlap_junior: bool = True,
+        rollout_dtype: str = "auto",
     ):
         if kv_block < 1 or check_every < 1:
             raise ConfigError("kv_block and check_every must be >= 1")
@@ -381,10 +407,11 @@ class FastEngine(RolloutEngine):
         self.kv_block = kv_block
         self.check_every = check_every
         self.overlap_junior = overlap_junior
+        self.rollout_dtype = check_rollout_dtype(rollout_dtype)
 
     def setup(self, senior: nn.Module, junior: nn.Module | None, tokenizer, junior_tokenizer=None) -> None:
         super().setup(senior, junior, tokenizer, junior_tokenizer)
-        self.models = {"senior": StaticDecoderModel(senior)}
+        self.models = {"senior": StaticDecoderModel(self.senior)}
         if junior is not None:
             self.models["junior"] = StaticDecoderModel(junior)
             if self.models["junior"].device != self.models["senior"].device:
@@ -395,14 +422,27 @@ class FastEngine(RolloutEngine):
         self._pool = None
         self._weights_at_capture: dict[str, int] = {}
         self._side_stream: torch.cuda.Stream | None = None  # created on the first overlapped step
-        self._last_phases: tuple[_PhaseClock, int] | None = None
+        self._last_phases: tuple[_PhaseClock, int, float] | None = None
         device = self.models["senior"].device
         if self.kernels == "triton" and device.type != "cuda":
             raise ConfigError("FastEngine(kernels='triton') needs a CUDA device; use kernels: torch or auto")
         self.triton = device.type == "cuda" and self.kernels != "torch"
         if self.triton and self.fuse_weights:
-            for model in self.models.values():
-                model.fuse_projections()
+            # the rollout copy and the frozen junior can lend their storage to the fused
+            # weights; trained weights decoded in place keep their own and are re-synced
+            for name, model in self.models.items():
+                model.fuse_projections(share=name == "junior" or self.decodes_copy)
+
+    def release(self) -> None:
+        """Free the KV caches, buffers and captured graphs (re-allocated and re-captured by the
+        next ``generate``), so that a training update can use their memory."""
+        self._decoders.clear()
+        self._drop_graphs()
+        self._batch = None
+        for model in self.models.values():
+            model.free()
+        if self.models["senior"].device.type == "cuda":
+            torch.cuda.empty_cache()  # graph pools hold their memory until then
 
     # ------------------------------------------------------------------------------ buffers
 
@@ -523,6 +563,7 @@ class FastEngine(RolloutEngine):
         prompts = prompts.to(device)
         batch, width = prompts.input_ids.shape
         use_graphs = self.cuda_graphs and device.type == "cuda"
+        started = time.perf_counter()
         buf = self._ensure_capacity(batch, width + sampling.max_new_tokens)
         key, decoder = self._decoder(policy, sampling, batch)
         active = [name for name, needed in (("senior", decoder.needs_senior), ("junior", decoder.needs_junior)) if needed]
@@ -535,6 +576,7 @@ class FastEngine(RolloutEngine):
                 self._check_weights_in_place()
                 for t in range(sampling.max_new_tokens):
                     self._graph(key, decoder, batch, self._kv_len(width + t + 1))
+            setup_seconds = time.perf_counter() - started
             decoder.reset(prompts.seeds)
             buf.t.zero_()
             buf.slot.fill_(width - 1)
@@ -556,17 +598,21 @@ class FastEngine(RolloutEngine):
                 if steps % self.check_every == 0 and decoder.all_finished():
                     break
             clock.mark()
-        self._last_phases = (clock, steps)
+        self._last_phases = (clock, steps, setup_seconds)
         return decoder.finish(prompts, self.tokenizer, steps)
 
     def last_timing(self) -> dict[str, float]:
-        """Where the last ``generate`` spent its time: prefill seconds, decode seconds and steps,
-        and the decode step time (graph capture, done once per shape, is outside both)."""
+        """Where the last ``generate`` spent its time: setup seconds (cache allocation and graph
+        capture: zero when both are reused), prefill seconds, decode seconds and steps, and the
+        decode step time."""
         if self._last_phases is None:
             raise RuntimeError("last_timing() reports on a generate() call; none has run yet")
-        clock, steps = self._last_phases
+        clock, steps, setup = self._last_phases
         prefill, decode = clock.seconds()
-        return {"prefill_s": prefill, "decode_s": decode, "decode_steps": steps, "decode_step_ms": 1000 * decode / max(steps, 1)}
+        return {
+            "setup_s": setup, "prefill_s": prefill, "decode_s": decode, "decode_steps": steps,
+            "decode_step_ms": 1000 * decode / max(steps, 1),
+        }
 
     def _kv_len(self, needed: int) -> int:
         if self.triton:  # the attention kernel reads its bound on the device: one graph for all steps

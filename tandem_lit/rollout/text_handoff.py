@@ -25,6 +25,7 @@ from tandem_lit.rollout.engine import RolloutEngine, cache_kwarg, end_token_ids,
 from tandem_lit.rollout.handoff import BoundaryRule, HandoffPolicy, TokenClasses
 from tandem_lit.rollout.record import Author, PromptBatch, Rollout
 from tandem_lit.rollout.sampling import SamplingConfig, sample_tokens, uniform
+from tandem_lit.rollout.weights import check_rollout_dtype
 
 
 class _Writer:
@@ -86,12 +87,19 @@ class TextHandoffEngine(RolloutEngine):
 
     Needs ``partner`` prompts (the prompts encoded for the junior) in each PromptBatch; the
     TandemModule builds them with the junior's own tokenizer and chat template.
+
+    Args:
+        rollout_dtype: Dtype of the senior's rollout copy (see ``RolloutEngine``).
     """
 
     needs_partner_prompts = True
 
+    def __init__(self, rollout_dtype: str = "auto"):
+        self.rollout_dtype = check_rollout_dtype(rollout_dtype)
+
     def setup(self, senior: nn.Module, junior: nn.Module | None, tokenizer, junior_tokenizer=None) -> None:
-        self.senior, self.junior = senior, junior
+        self.bind_senior(senior)
+        self.junior = junior
         self.tokenizer = tokenizer
         self.junior_tokenizer = junior_tokenizer or tokenizer
         self.eos_token_ids = end_token_ids(tokenizer, senior)
