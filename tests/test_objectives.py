@@ -191,9 +191,78 @@ def test_grpo_k3_kl_hand_computed():
     assert not GRPO().uses_reference
 
 
+def test_grpo_dual_clip_hand_computed():
+    """clip 0.2, clip_ratio_c 3, old log-probs 0 so ratio = exp(logp), one senior token per row.
+    Row 0 (A=-1, r=5): the PPO term max(5, 1.2) = 5 exceeds -A c = 3: dual-clipped to 3, no gradient.
+    Row 1 (A=-1, r=2): max(2, 1.2) = 2 < 3: kept, d/dlogp = -A r = 2.
+    Row 2 (A=+1, r=5): positive advantage, never dual-clipped: max(-5, -1.2) = -1.2, no gradient.
+    Token-mean over 3: loss (3 + 2 - 1.2) / 3; without dual clip (5 + 2 - 1.2) / 3."""
+    batch = inputs(
+        [0.0, 0.0, 0.0], logp=[[math.log(5)], [math.log(2)], [math.log(5)]], author=[[S], [S], [S]],
+        old_logp=torch.zeros(3, 1), advantages=torch.tensor([-1.0, -1.0, 1.0]),
+    )
+    loss, grad, metrics = loss_and_grad(GRPO(clip_ratio_c=3.0), batch)
+    close(loss, (3 + 2 - 1.2) / 3, tol=1e-5)
+    close(grad, [[0.0], [2 / 3], [0.0]], tol=1e-6)
+    assert metrics["dual_clip_fraction"] == pytest.approx(1 / 3)
+    batch.logp.grad = None
+    close(loss_and_grad(GRPO(), batch)[0], (5 + 2 - 1.2) / 3, tol=1e-5)
+
+
+def test_grpo_kl_clamp_hand_computed():
+    """kl_coef 1, on-policy, zero advantage: the loss is the mean k3. Row 0: ref - logp = 4:
+    k3 = e^4 - 5 = 49.6, clamped to 10 (no gradient); row 1: delta -0.5, k3 = e^-0.5 - 0.5,
+    unclamped, d k3 / d logp = 1 - e^-0.5."""
+    batch = inputs(
+        [0.0, 0.0], logp=[[-5.0], [-1.0]], author=[[S], [S]],
+        ref_logp=torch.tensor([[-1.0], [-1.5]]), advantages=torch.zeros(2),
+    )
+    k3_1 = math.exp(-0.5) - 0.5
+    loss, grad, metrics = loss_and_grad(GRPO(kl_coef=1.0, kl_clamp=10.0), batch)
+    close(loss, (10 + k3_1) / 2, tol=1e-5)
+    close(grad, [[0.0], [(1 - math.exp(-0.5)) / 2]], tol=1e-6)
+    assert metrics["kl"] == pytest.approx((10 + k3_1) / 2, rel=1e-5)
+
+
+def test_token_metrics_count_only_tokens_in_the_loss():
+    """junior_weight 0: junior tokens leave clip_fraction and ratio_mean. Row 0 (A=+1): a senior
+    token at ratio 1.5 (clipped) and a junior token at ratio 1.0; the fraction is 1 of 1 senior
+    token, not 1 of 2 written tokens."""
+    batch = inputs(
+        [0.0], logp=[[math.log(1.5), 0.0]], author=[[S, J]], old_logp=torch.zeros(1, 2), advantages=torch.tensor([1.0]),
+    )
+    _, _, metrics = loss_and_grad(GRPO(), batch)
+    assert metrics["clip_fraction"] == pytest.approx(1.0)
+    assert metrics["ratio_mean"] == pytest.approx(1.5)
+    batch.logp.grad = None
+    _, _, metrics = loss_and_grad(GRPO(junior_weight=1.0), batch)
+    assert metrics["clip_fraction"] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("objective", [GRPO(tis_cap=2.0), Reinforce(tis_cap=2.0)], ids=repr)
+def test_truncated_importance_sampling_hand_computed(objective):
+    """tis_cap 2, on-policy (old = logp), one row, A = +1 (reward 1), tokens [S, S, J]:
+    the engine's log-probs are [logp - log 3, logp - log 1.5, anything]: factors
+    min(3, 2) = 2 and 1.5; the junior token keeps 1 (the junior drew it). Loss weights: the
+    senior tokens (GRPO masks the junior's; REINFORCE counts it with j=1)."""
+    logp = [[-1.0, -2.0, -0.5]]
+    rollout = torch.tensor(logp) - torch.tensor([[math.log(3.0), math.log(1.5), 7.0]])
+    batch = inputs([1.0], logp=logp, author=[[S, S, J]], advantages=torch.tensor([1.0]), rollout_logp=rollout)
+    _, grad, metrics = loss_and_grad(objective, batch)
+    if isinstance(objective, GRPO):  # d/dlogp of -A r (r = 1 at logp = old) times the factor, over 2 tokens
+        close(grad, [[-2.0 / 2, -1.5 / 2, 0.0]], tol=1e-6)
+    else:  # -A w logp times the factor, over 3 tokens (junior weight 1)
+        close(grad, [[-2.0 / 3, -1.5 / 3, -1.0 / 3]], tol=1e-6)
+    assert metrics["tis_weight_mean"] == pytest.approx(1.75)
+    assert metrics["tis_capped_fraction"] == pytest.approx(0.5)
+    with pytest.raises(ConfigError, match="tis_cap"):
+        objective(inputs([1.0], logp=logp, author=[[S, S, J]], advantages=torch.tensor([1.0])))
+
+
 @pytest.mark.parametrize("kwargs", [
     {"scale_rewards": "std"}, {"clip_low": -0.1}, {"clip_high": -1}, {"kl_coef": -0.5},
-    {"aggregation": "mean"}, {"junior_weight": -1},
+    {"aggregation": "mean"}, {"junior_weight": -1}, {"clip_ratio_c": 1.0}, {"kl_clamp": 0.0},
+    {"tis_cap": 0.0},
 ])
 def test_grpo_bad_settings(kwargs):
     with pytest.raises(ConfigError):

@@ -43,6 +43,9 @@ class ObjectiveInputs:
     ref_logp: Tensor | None = None  # [N, T] reference-policy log-probs, for the KL penalty
     advantages: Tensor | None = None  # [N] precomputed over the whole batch (else from rewards/group)
     mask: Tensor | None = None  # [N] bool, sequences allowed into the loss (e.g. not truncated); None = all
+    # [N, T] the senior's log-probs as the rollout engine computed them (its bf16 copy): only for
+    # truncated importance sampling, never the ratio's denominator (that is ``old_logp``)
+    rollout_logp: Tensor | None = None
 
 
 @dataclass
@@ -52,6 +55,12 @@ class LossScale:
     weight_sum: float  # sum of token weights of the sequences that enter the loss
     sequences: int  # number of sequences that enter the loss
     max_tokens: int  # completion token budget (constant normalisation)
+
+
+def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """Mean of ``values`` where ``mask`` holds (0 when it holds nowhere)."""
+    mask = mask.float()
+    return (values * mask).sum() / mask.sum().clamp_min(1)
 
 
 def token_weights(author: Tensor | None, junior_weight: float, like: Tensor) -> Tensor:  # -> [N, T] float
@@ -85,18 +94,26 @@ class Objective(ABC):
             / total weight), ``seq-mean-token-mean`` (mean over sequences of each sequence's
             token mean), ``seq-mean-token-sum`` (mean over sequences of token sums) or
             ``seq-mean-token-sum-norm`` (token sum / (sequences x max tokens), Dr. GRPO).
+        tis_cap: Truncated importance sampling (verl's ``tis_imp_ratio_cap``; Yao et al., 2025):
+            rollouts are decoded from a bf16 copy while the loss runs the training model, so
+            each senior token's policy-gradient term is multiplied by
+            ``min(exp(train_logp - rollout_logp), tis_cap)`` (detached). None: off. Junior tokens
+            were drawn from the junior, not from any senior copy: their factor is 1.
     """
 
     #: True when the loss needs log-probs from before the update (importance ratio)
     uses_old_logp: bool = False
 
-    def __init__(self, junior_weight: float, aggregation: Aggregation = "token-mean"):
+    def __init__(self, junior_weight: float, aggregation: Aggregation = "token-mean", tis_cap: float | None = None):
         if junior_weight < 0:
             raise ConfigError(f"junior_weight must be >= 0, got {junior_weight}")
         if aggregation not in AGGREGATIONS:
             raise ConfigError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+        if tis_cap is not None and tis_cap <= 0:
+            raise ConfigError(f"tis_cap must be > 0 (verl uses 2.0), got {tis_cap}")
         self.junior_weight = float(junior_weight)
         self.aggregation = aggregation
+        self.tis_cap = None if tis_cap is None else float(tis_cap)
 
     @property
     def uses_reference(self) -> bool:
@@ -112,8 +129,30 @@ class Objective(ABC):
         return torch.ones_like(advantages, dtype=torch.bool)
 
     @abstractmethod
-    def token_loss(self, inputs: ObjectiveInputs, advantages: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        """Per-token loss before weighting  # -> [N, T], metrics"""
+    def token_loss(self, inputs: ObjectiveInputs, advantages: Tensor, counted: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """Per-token loss before weighting  # -> [N, T], metrics
+
+        ``counted`` [N, T] bool marks the tokens that enter the loss (weight > 0): token metrics
+        are averaged over those only, so masked junior tokens never dilute them."""
+
+    def importance_correction(self, inputs: ObjectiveInputs, counted: Tensor) -> tuple[Tensor | float, dict[str, Tensor]]:
+        """The truncated-importance-sampling factor of each token (1.0 when ``tis_cap`` is None)."""
+        if self.tis_cap is None:
+            return 1.0, {}
+        if inputs.rollout_logp is None:
+            raise ConfigError(
+                "tis_cap needs the rollout engine's log-probs of the senior (Rollout.senior_logprobs), and this "
+                "batch has none: use an engine that records them (FastEngine, HFEngine) or set tis_cap: null"
+            )
+        old = inputs.old_logp if inputs.old_logp is not None else inputs.logp.detach()
+        ratio = torch.exp(old - inputs.rollout_logp).clamp(max=self.tis_cap)
+        senior = inputs.author.long() == Author.SENIOR
+        factor = torch.where(senior, ratio, 1.0).detach()
+        measured = counted & senior
+        return factor, {
+            "tis_weight_mean": masked_mean(factor, measured),
+            "tis_capped_fraction": masked_mean((ratio >= self.tis_cap).float(), measured),
+        }
 
     def loss_scale(self, author: Tensor | None, advantages: Tensor, max_tokens: int, mask: Tensor | None = None) -> LossScale:
         """Normalisers over a whole optimiser batch (pass the same to each micro-batch)."""
@@ -128,7 +167,7 @@ class Objective(ABC):
         weights = weights * keep.unsqueeze(-1)
         if scale is None:
             scale = LossScale(float(weights.sum()), int(keep.sum()), inputs.logp.shape[1])
-        per_token, metrics = self.token_loss(inputs, advantages)
+        per_token, metrics = self.token_loss(inputs, advantages, weights > 0)
         loss = self._aggregate(per_token, weights, scale)
         out = {name: float(value) for name, value in metrics.items()}
         out["loss"] = float(loss.detach())

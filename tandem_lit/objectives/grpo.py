@@ -1,9 +1,16 @@
 """GRPO (Shao et al., 2024) as used by Tandem RLVR (Jiao et al., 2026).
 
 Advantages are rewards normalised within each prompt's group of rollouts; the loss is the PPO
-clipped surrogate with separate low/high clip ranges (DAPO's asymmetric clipping), an optional
-KL penalty to a reference policy with the k3 estimator (Schulman's unbiased, positive estimator),
-and junior tokens weighted ``junior_weight`` (default 0: masked, as in Tandem RLVR).
+clipped surrogate with separate low/high clip ranges (DAPO's asymmetric clipping), optionally
+dual-clipped for negative advantages (Ye et al., 2020; verl's ``clip_ratio_c``), an optional KL
+penalty to a reference policy with the k3 estimator (Schulman's unbiased, positive estimator;
+optionally clamped, as verl's ``low_var_kl`` clamps at 10), and junior tokens weighted
+``junior_weight`` (default 0: masked, as in Tandem RLVR).
+
+The ratio's denominator ``old_logp`` always comes from the training model: recomputed before
+the first update when a step makes several, and the current log-probs (detached) when it makes
+one, where the two are the same forward (verl recomputes it; the value is identical). The
+rollout engine's own log-probs (a bf16 copy) enter only through ``tis_cap``.
 
 ``scale_rewards``: ``group`` divides by the group's standard deviation (GRPO), ``batch`` by the
 whole batch's (Hu et al., REINFORCE++ style), ``none`` keeps the centred rewards (Dr. GRPO).
@@ -17,7 +24,7 @@ import torch
 from torch import Tensor
 
 from tandem_lit.errors import ConfigError
-from tandem_lit.objectives.base import Aggregation, Objective, ObjectiveInputs
+from tandem_lit.objectives.base import Aggregation, Objective, ObjectiveInputs, masked_mean
 
 
 def group_centred(rewards: Tensor, group: Tensor) -> tuple[Tensor, Tensor]:
@@ -44,6 +51,12 @@ class GRPO(Objective):
         junior_weight: Loss weight of junior-written tokens (0: masked, as in Tandem RLVR).
         aggregation: See ``Objective``.
         eps: Added to the standard deviation before dividing.
+        clip_ratio_c: Dual clip: for a negative advantage the per-token loss is at most
+            ``-advantage * clip_ratio_c`` (> 1; verl's default 3.0), so a token whose ratio has
+            run far past the clip range cannot dominate the update. None: off.
+        kl_clamp: Clamp the per-token k3 KL term to [-kl_clamp, kl_clamp] (verl's low_var_kl
+            uses 10). None: no clamp.
+        tis_cap: See ``Objective`` (truncated importance sampling; None: off).
     """
 
     uses_old_logp = True
@@ -57,8 +70,15 @@ class GRPO(Objective):
         junior_weight: float = 0.0,
         aggregation: Aggregation = "token-mean",
         eps: float = 1e-6,
+        clip_ratio_c: float | None = None,
+        kl_clamp: float | None = None,
+        tis_cap: float | None = None,
     ):
-        super().__init__(junior_weight=junior_weight, aggregation=aggregation)
+        super().__init__(junior_weight=junior_weight, aggregation=aggregation, tis_cap=tis_cap)
+        if clip_ratio_c is not None and clip_ratio_c <= 1:
+            raise ConfigError(f"clip_ratio_c must be > 1 (verl's default is 3.0), got {clip_ratio_c}")
+        if kl_clamp is not None and kl_clamp <= 0:
+            raise ConfigError(f"kl_clamp must be > 0, got {kl_clamp}")
         if scale_rewards not in ("group", "batch", "none"):
             raise ConfigError(f"scale_rewards must be 'group', 'batch' or 'none', got {scale_rewards!r}")
         if clip_low < 0 or clip_high < 0:
@@ -70,6 +90,8 @@ class GRPO(Objective):
         self.scale_rewards = scale_rewards
         self.kl_coef = float(kl_coef)
         self.eps = float(eps)
+        self.clip_ratio_c = None if clip_ratio_c is None else float(clip_ratio_c)
+        self.kl_clamp = None if kl_clamp is None else float(kl_clamp)
 
     @property
     def uses_reference(self) -> bool:
@@ -84,7 +106,7 @@ class GRPO(Objective):
             return centred / (rewards.std() + self.eps) if rewards.numel() > 1 else centred
         return centred
 
-    def token_loss(self, inputs: ObjectiveInputs, advantages: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    def token_loss(self, inputs: ObjectiveInputs, advantages: Tensor, counted: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         logp = inputs.logp
         old = inputs.old_logp if inputs.old_logp is not None else logp.detach()
         ratio = torch.exp(logp - old)
@@ -92,17 +114,26 @@ class GRPO(Objective):
         unclipped = -adv * ratio
         clipped = -adv * ratio.clamp(1.0 - self.clip_low, 1.0 + self.clip_high)
         per_token = torch.maximum(unclipped, clipped)
-        mask = (inputs.author != 0).float() if inputs.author is not None else torch.ones_like(logp)
         metrics = {
-            "clip_fraction": ((clipped > unclipped).float() * mask).sum() / mask.sum().clamp_min(1),
-            "ratio_mean": (ratio.detach() * mask).sum() / mask.sum().clamp_min(1),
+            "clip_fraction": masked_mean((clipped > unclipped).float(), counted),
+            "ratio_mean": masked_mean(ratio.detach(), counted),
             "advantage_std": advantages.std() if advantages.numel() > 1 else advantages.new_zeros(()),
         }
+        if self.clip_ratio_c is not None:
+            bound = -adv * self.clip_ratio_c  # positive where the advantage is negative
+            dual = (adv < 0) & (per_token > bound)
+            per_token = torch.where(dual, bound, per_token)
+            metrics["dual_clip_fraction"] = masked_mean(dual.float(), counted)
+        correction, tis_metrics = self.importance_correction(inputs, counted)
+        per_token = per_token * correction
+        metrics.update(tis_metrics)
         if self.kl_coef > 0:
             if inputs.ref_logp is None:
                 raise ConfigError("GRPO with kl_coef > 0 needs reference log-probs (ref_logp), got None")
             delta = inputs.ref_logp - logp
             kl = torch.exp(delta) - delta - 1.0  # k3 estimator of KL(pi || ref)
+            if self.kl_clamp is not None:
+                kl = kl.clamp(-self.kl_clamp, self.kl_clamp)
             per_token = per_token + self.kl_coef * kl
-            metrics["kl"] = (kl.detach() * mask).sum() / mask.sum().clamp_min(1)
+            metrics["kl"] = masked_mean(kl.detach(), counted)
         return per_token, metrics

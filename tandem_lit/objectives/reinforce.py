@@ -26,10 +26,14 @@ class Reinforce(Objective):
         failed_weight: ``c``, the sequence weight of a rollout with reward <= 0 (0 discards it).
         junior_weight: ``j``, the loss weight of a junior-written token (1: not masked).
         aggregation: See ``Objective``.
+        tis_cap: See ``Objective`` (truncated importance sampling; None: off).
     """
 
-    def __init__(self, failed_weight: float = 0.0, junior_weight: float = 1.0, aggregation: Aggregation = "token-mean"):
-        super().__init__(junior_weight=junior_weight, aggregation=aggregation)
+    def __init__(
+        self, failed_weight: float = 0.0, junior_weight: float = 1.0, aggregation: Aggregation = "token-mean",
+        tis_cap: float | None = None,
+    ):
+        super().__init__(junior_weight=junior_weight, aggregation=aggregation, tis_cap=tis_cap)
         self.failed_weight = float(failed_weight)
 
     def advantages(self, rewards: Tensor, group: Tensor) -> Tensor:
@@ -39,13 +43,17 @@ class Reinforce(Objective):
     def included(self, advantages: Tensor) -> Tensor:
         return advantages != 0
 
-    def token_loss(self, inputs: ObjectiveInputs, advantages: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        per_token = -advantages.unsqueeze(-1) * inputs.logp
-        return per_token, {"positive_fraction": (advantages > 0).float().mean()}
+    def token_loss(self, inputs: ObjectiveInputs, advantages: Tensor, counted: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        correction, metrics = self.importance_correction(inputs, counted)
+        per_token = -advantages.unsqueeze(-1) * inputs.logp * correction
+        return per_token, {"positive_fraction": (advantages > 0).float().mean(), **metrics}
 
 
 class SoftMaskedReinforce(Reinforce):
     """Tandem Training appendix E: failed rollouts weighted ``c``, junior tokens weighted ``j``."""
 
-    def __init__(self, failed_weight: float = -0.5, junior_weight: float = 0.2, aggregation: Aggregation = "token-mean"):
-        super().__init__(failed_weight=failed_weight, junior_weight=junior_weight, aggregation=aggregation)
+    def __init__(
+        self, failed_weight: float = -0.5, junior_weight: float = 0.2, aggregation: Aggregation = "token-mean",
+        tis_cap: float | None = None,
+    ):
+        super().__init__(failed_weight=failed_weight, junior_weight=junior_weight, aggregation=aggregation, tis_cap=tis_cap)
