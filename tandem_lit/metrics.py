@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
-from tandem_lit.rollout.record import Rollout
+from tandem_lit.rollout.record import Author, Rollout
 
 #: GSM8K calculator annotations, e.g. ``<<48/2=24>>`` (the Tandem Training "jargon")
 GSM8K_JARGON = r"<<[^<>\n]*>>"
@@ -86,3 +86,30 @@ def rollout_stats(rollout: Rollout, rewards: Tensor, correct: Sequence[bool], gr
         "jargon_rate": jargon.rate(rollout.texts),
     }
 
+
+
+class LogprobGap:
+    """How far the rollout engine's log-probs of the senior's tokens are from the training model's.
+
+    The engine decodes a bf16 copy; the update runs the float32 master under autocast. The gap is
+    measured on every senior-written token of a step (``train/rollout_logp_gap_mean`` / ``_max``),
+    never assumed zero: a jump flags a stale or broken weight sync.
+    """
+
+    def __init__(self) -> None:
+        self.total, self.largest, self.tokens = 0.0, 0.0, 0
+
+    def add(self, train: Tensor, rollout: Tensor | None, author: Tensor) -> None:  # [N, T] each
+        if rollout is None:
+            return
+        senior = author == Author.SENIOR
+        gap = (train.detach().float() - rollout.float()).abs()[senior]
+        if gap.numel():
+            self.total += float(gap.sum())
+            self.largest = max(self.largest, float(gap.max()))
+            self.tokens += gap.numel()
+
+    def metrics(self) -> dict[str, float]:
+        if not self.tokens:
+            return {}
+        return {"rollout_logp_gap_mean": self.total / self.tokens, "rollout_logp_gap_max": self.largest}

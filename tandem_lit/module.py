@@ -9,7 +9,14 @@ One training step, top to bottom in ``training_step``:
 
 Optimisation is manual: each step draws ``batch_size x sampling.n`` rollouts, then takes one
 optimiser update per ``mini_batch_size`` prompts, accumulating gradients over micro-batches of
-``micro_batch_size`` sequences. ``trainer.global_step`` counts optimiser updates.
+``micro_batch_size`` sequences (and ``memory.micro_batch_tokens`` tokens).
+``trainer.global_step`` counts optimiser updates.
+
+The engine decodes from its own rollout copy of the senior (bf16 on a GPU, LoRA merged), loaded
+from the trained weights before the first rollout after an update; the update recomputes the
+log-probs with the training model. The two phases take turns with the GPU's memory: the engine
+frees its KV caches before the update, gradients are freed after it (``MemorySettings``).
+Validation, test and predict live in ``eval_steps.EvaluationSteps``.
 """
 
 from __future__ import annotations
@@ -19,18 +26,18 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import lightning as L
 import torch
 from torch import Tensor, nn
 
 from tandem_lit.errors import ConfigError
-from tandem_lit.evaluation import DatasetTally, flat_metrics, summarize, write_report
+from tandem_lit.eval_steps import EvalMode, EvaluationSteps
 from tandem_lit.logprobs import completion_logprobs
-from tandem_lit.metrics import JargonDetector, pass_at_k, rollout_stats
+from tandem_lit.memory import GIB, ModelShape, OptimizerOffload, StepSettings, estimate_step_memory
+from tandem_lit.metrics import JargonDetector, LogprobGap, rollout_stats
 from tandem_lit.models import (
     LoraSettings,
     ModelSource,
@@ -41,64 +48,22 @@ from tandem_lit.models import (
     quantization_config,
 )
 from tandem_lit.objectives.base import AuthorshipError, Objective, ObjectiveInputs
+from tandem_lit.results import RolloutResult, concat_results
 from tandem_lit.rollout.engine import HFEngine, RolloutEngine
-from tandem_lit.rollout.handoff import HandoffPolicy, ParagraphHandoff, SoloHandoff
-from tandem_lit.rollout.record import Author, PromptBatch, Rollout, concat_rollouts
+from tandem_lit.rollout.handoff import HandoffPolicy, ParagraphHandoff
+from tandem_lit.rollout.record import Author, PromptBatch, Rollout
 from tandem_lit.rollout.sampling import SamplingConfig, sequence_seeds
-from tandem_lit.settings import DynamicSampling, OverlongPolicy, PromptFormat, TrainingStalledError
-from tandem_lit.verifiers.base import Grade, Verifier
+from tandem_lit.rollout.weights import rollout_named_tensors
+from tandem_lit.settings import DynamicSampling, MemorySettings, OverlongPolicy, PromptFormat, TrainingStalledError
+from tandem_lit.verifiers.base import Verifier
 
 log = logging.getLogger(__name__)
 
-EvalMode = Literal["senior", "junior", "tandem"]
 # jsonargparse builds this from `class_path: torch.optim.AdamW` + init_args, leaving the params out
 OptimizerCallable = Callable[[Iterable], torch.optim.Optimizer]
 
 
-@dataclass
-class RolloutResult:
-    """A batch of rollouts with their grades."""
-
-    rollout: Rollout
-    grades: list[Grade]
-    group: Tensor  # [N] long, prompt index within the batch
-    columns: dict[str, list[Any]]  # dataset columns, one value per rollout
-
-    @property
-    def rewards(self) -> Tensor:  # [N] float
-        return torch.tensor([g.reward for g in self.grades], dtype=torch.float32)
-
-    @property
-    def correct(self) -> list[bool]:
-        return [g.correct for g in self.grades]
-
-    def groups_with_spread(self) -> list[int]:
-        """Prompt indices whose rollouts did not all get the same reward."""
-        rewards = self.rewards
-        return [int(g) for g in self.group.unique() if rewards[self.group == g].unique().numel() > 1]
-
-    def keep_groups(self, groups: list[int], offset: int) -> RolloutResult:
-        """The rollouts of these prompts, renumbered from ``offset``."""
-        rows = [i for i, g in enumerate(self.group.tolist()) if g in set(groups)]
-        renumber = {g: offset + i for i, g in enumerate(groups)}
-        return RolloutResult(
-            rollout=self.rollout.select(rows),
-            grades=[self.grades[i] for i in rows],
-            group=torch.tensor([renumber[int(self.group[i])] for i in rows], dtype=torch.long),
-            columns={name: [values[i] for i in rows] for name, values in self.columns.items()},
-        )
-
-
-def concat_results(parts: list[RolloutResult], pad_token_id: int) -> RolloutResult:
-    return RolloutResult(
-        rollout=concat_rollouts([p.rollout for p in parts], pad_token_id),
-        grades=[g for p in parts for g in p.grades],
-        group=torch.cat([p.group for p in parts]),
-        columns={name: [v for p in parts for v in p.columns[name]] for name in parts[0].columns},
-    )
-
-
-class TandemModule(L.LightningModule):
+class TandemModule(EvaluationSteps, L.LightningModule):
     """Tandem RL of a senior LM with a frozen junior co-author.
 
     Args:
@@ -109,7 +74,8 @@ class TandemModule(L.LightningModule):
         junior: The frozen partner (None only with SoloHandoff(author='senior')).
         lora: Train LoRA adapters instead of full weights.
         engine: Rollout engine (default: FastEngine when it supports the architecture, else
-            HFEngine, with a warning; the choice is logged as the ``engine`` hyperparameter).
+            HFEngine, with a warning; the choice is logged as the ``engine`` hyperparameter). Its
+            ``rollout_dtype`` decides the senior's rollout copy (default: bf16 on a GPU).
         sampling: Training rollouts (``n`` = rollouts per prompt, GRPO's group size).
         eval_sampling: Validation rollouts (default greedy, one per prompt; with ``n`` > 1 the
             validation also logs ``eval/<mode>_pass_at_<k>`` for checkpoint selection).
@@ -122,6 +88,8 @@ class TandemModule(L.LightningModule):
         rollout_batch_size: Sequences per engine call (None: all of a step's rollouts at once);
             bounds the KV cache memory of generation.
         micro_batch_size: Sequences per forward/backward pass (gradient accumulation).
+        memory: Rollout caches, optimizer offload, activation checkpointing, token-bounded
+            micro-batches and the memory check before the run (``MemorySettings``).
         max_grad_norm: Clip the gradient norm (None: no clipping).
         max_prompt_tokens: Training skips prompts longer than this (after the chat template),
             counted in ``train/skipped_long_prompts`` (verl's overlong-prompt filter). Evaluation
@@ -168,6 +136,7 @@ class TandemModule(L.LightningModule):
         mini_batch_size: int | None = None,
         rollout_batch_size: int | None = None,
         micro_batch_size: int = 16,
+        memory: MemorySettings | None = None,
         max_grad_norm: float | None = 1.0,
         max_prompt_tokens: int | None = None,
         overlong: OverlongPolicy | None = None,
@@ -199,11 +168,17 @@ class TandemModule(L.LightningModule):
         self.test_handoff = test_handoff or ParagraphHandoff(p=0.5, first_author="senior")
         self.test_sampling = test_sampling or self.eval_sampling
         self.pass_k = sorted(set(pass_k or [1, 2, 4, 8]))
-        self._test_tallies: dict[str, DatasetTally] = {}
+        self._test_tallies: dict = {}  # eval set name -> DatasetTally, during `tandem-lit test`
         self.optimizer_factory = optimizer
         self.mini_batch_size = mini_batch_size
         self.rollout_batch_size = rollout_batch_size
         self.micro_batch_size = micro_batch_size
+        self.memory = memory or MemorySettings()
+        self._offload = OptimizerOffload() if self.memory.offload_optimizer else None
+        # optimiser updates (and checkpoint loads) so far, and the version the engine decodes
+        self._policy_version = 0
+        self._engine_version = 0
+        self.rollout_timing: dict[str, float] = {}  # the engine's phase times, summed over this step's calls
         self.max_grad_norm = max_grad_norm
         self.max_prompt_tokens = max_prompt_tokens
         self.overlong = overlong or OverlongPolicy()
@@ -254,6 +229,8 @@ class TandemModule(L.LightningModule):
             self.check_weight_precision(senior)
         else:
             senior = apply_lora(senior, self.lora)
+        if self.memory.gradient_checkpointing:
+            senior.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.senior = senior
         junior_tokenizer = None
         if self.junior_source is not None:
@@ -268,13 +245,61 @@ class TandemModule(L.LightningModule):
             self.engine = default_engine(self.senior, self.junior)
 
     def ready_engine(self) -> RolloutEngine:
-        """The engine, bound to the models where they now live (after Lightning moved them)."""
+        """The engine, bound to the models where they now live (after Lightning moved them), its
+        rollout copy loaded with the current trained weights (once per rollout phase after updates)."""
         if self._engine_device != self.device:
             self.engine.setup(self.senior, self.junior, self.tokenizer, self.junior_tokenizer)
             self._engine_device = self.device
+            self._engine_version = self._policy_version
+            rollout_dtype = str(next(self.engine.senior.parameters()).dtype).removeprefix("torch.")
             for logger in self.loggers:
-                logger.log_hyperparams({"engine": type(self.engine).__name__})
+                logger.log_hyperparams({"engine": type(self.engine).__name__, "rollout_dtype": rollout_dtype})
+        elif self._engine_version != self._policy_version:
+            if self.engine.decodes_copy:
+                self.engine.load_weights(rollout_named_tensors(self.senior))
+            self._engine_version = self._policy_version
         return self.engine
+
+    def on_fit_start(self) -> None:
+        if not (self.memory.check and self.device.type == "cuda"):
+            return
+        estimate = self.memory_estimate()
+        log.info("estimated peak GPU memory of a training step: %s", estimate.table())
+        properties = torch.cuda.get_device_properties(self.device)
+        estimate.check(properties.total_memory, properties.name)
+
+    def memory_estimate(self, prompts_per_step: int | None = None):
+        """The step's memory from the models' shapes and this run's settings (``tandem_lit.memory``);
+        ``prompts_per_step`` defaults to the data module's batch size."""
+        from tandem_lit.rollout.weights import needs_copy, rollout_dtype
+
+        requested = getattr(self.engine, "rollout_dtype", "auto")
+        decode_dtype = None if requested == "live" else rollout_dtype(requested, self.senior)
+        copy = decode_dtype is not None and needs_copy(self.senior, decode_dtype)
+        senior = ModelShape.of(self.senior)
+        junior = ModelShape.of(self.junior) if self.junior is not None else None
+        trainer = self._trainer
+        if prompts_per_step is None:
+            prompts_per_step = getattr(getattr(trainer, "datamodule", None), "batch_size", 1)
+        step_rollouts = prompts_per_step * self.sampling.n
+        per_call = max(1, (self.rollout_batch_size or step_rollouts) // self.sampling.n) * self.sampling.n
+        sequence_tokens = (self.max_prompt_tokens or 512) + self.sampling.max_new_tokens
+        micro_tokens = self.micro_batch_size * sequence_tokens
+        if self.memory.micro_batch_tokens is not None:
+            micro_tokens = min(micro_tokens, max(self.memory.micro_batch_tokens, sequence_tokens))
+        settings = StepSettings(
+            rollout_sequences=min(per_call, step_rollouts),
+            sequence_tokens=sequence_tokens,
+            micro_batch_tokens=micro_tokens,
+            rollout_bytes=decode_dtype.itemsize if copy else senior.param_bytes,
+            rollout_copy=copy,
+            junior_bytes=junior.param_bytes if junior else 0,
+            mixed_precision="mixed" in str(getattr(trainer, "precision", "32")),
+            checkpointing=self.memory.gradient_checkpointing,
+            offload_optimizer=self.memory.offload_optimizer,
+            reference_copy=self.reference is not None,
+        )
+        return estimate_step_memory(senior, junior, settings)
 
     def check_weight_precision(self, senior: nn.Module) -> None:
         dtype = next(senior.parameters()).dtype
@@ -346,7 +371,11 @@ class TandemModule(L.LightningModule):
             junior = self.encode_prompts(prompts_text, self.junior_tokenizer)
             partner = PromptBatch(junior["input_ids"], junior["attention_mask"], seeds)
         prompts = PromptBatch(encoded["input_ids"], encoded["attention_mask"], seeds, partner).to(self.device)
-        rollout = self.ready_engine().generate(prompts, policy, sampling)
+        engine = self.ready_engine()
+        rollout = engine.generate(prompts, policy, sampling)
+        if hasattr(engine, "last_timing"):
+            for name, value in engine.last_timing().items():
+                self.rollout_timing[name] = self.rollout_timing.get(name, 0.0) + value
         self.check_authorship(rollout, policy)
         columns = {name: [row[name] for row in rows for _ in range(sampling.n)] for name in rows[0] if name != "prompt"}
         grades = self.verifier.grade_batch(rollout.texts, **columns)
@@ -377,8 +406,10 @@ class TandemModule(L.LightningModule):
 
     def training_step(self, batch: list[dict[str, Any]], batch_idx: int) -> None:
         started = time.perf_counter()
+        self.rollout_timing = {}
         key = getattr(batch, "epoch", 0) * 1_000_003 + getattr(batch, "index", batch_idx)
         rows, skipped = self.prompts_that_fit(batch)
+        self.offload_optimizer_state()
         if not rows:
             result, sampling_stats = None, {}
         elif self.dynamic_sampling is None:
@@ -388,6 +419,9 @@ class TandemModule(L.LightningModule):
         self._count_idle_step(result is None, no_prompts=not rows)
         if self.max_prompt_tokens is not None:
             sampling_stats["skipped_long_prompts"] = float(skipped)
+        if self.memory.release_rollout_caches and self._engine_device is not None:
+            self.engine.release()  # the update's activations get the KV caches' memory
+        self.restore_optimizer_state()
         generated = time.perf_counter()
         if result is None:
             stats = dict(sampling_stats, skipped_update=1.0)
@@ -399,6 +433,9 @@ class TandemModule(L.LightningModule):
             stats["tokens_per_second"] = float(result.rollout.lengths.sum()) / max(generated - started, 1e-9)
         stats["rollout_seconds"] = generated - started
         stats["update_seconds"] = time.perf_counter() - generated
+        stats.update(engine_phases(self.rollout_timing))
+        if self.device.type == "cuda":
+            stats["peak_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / GIB
         row = {f"train/{k}": v for k, v in stats.items()}
         self.log_dict(row, batch_size=len(batch), logger=False)  # for callbacks (monitor, progress bar)
         if result is not None:
@@ -407,6 +444,14 @@ class TandemModule(L.LightningModule):
         self.log_metrics_at_update(row)
         if hasattr(batch, "mark_consumed"):  # before ModelCheckpoint saves, in on_train_batch_end
             batch.mark_consumed()
+
+    def offload_optimizer_state(self) -> None:
+        if self._offload is not None and self.device.type == "cuda":
+            self._offload.to_host(self.optimizers().optimizer)
+
+    def restore_optimizer_state(self) -> None:
+        if self._offload is not None:
+            self._offload.to_device(self.optimizers().optimizer)
 
     def log_metrics_at_update(self, row: dict[str, float]) -> None:
         """Log a row at x = optimiser updates so far (0 = before training), the x of every plot,
@@ -472,24 +517,34 @@ class TandemModule(L.LightningModule):
         per_update = self.mini_batch_size or prompts
         updates = [torch.nonzero((group >= s) & (group < s + per_update)).squeeze(-1) for s in range(0, prompts, per_update)]
         advantages = self.objective.advantages(rewards, group)
+        # the ratio's denominator comes from the training model: recomputed before the first of
+        # several updates; with one update it is the same forward's log-probs, detached
         old_logp = self.behaviour_logprobs(rollout) if self.objective.uses_old_logp and len(updates) > 1 else None
         ref_logp = self.reference_logprobs(rollout) if self.objective.uses_reference else None
+        gap = LogprobGap()
+        if old_logp is not None:
+            gap.add(old_logp, rollout.senior_logprobs, rollout.author)
         totals: dict[str, float] = {}
         for rows in updates:
             mask = allowed[rows] if allowed is not None else None
             scale = self.objective.loss_scale(rollout.author[rows], advantages[rows], self.sampling.max_new_tokens, mask)
-            optimizer.zero_grad()
-            for micro in rows.split(self.micro_batch_size):
-                part = rollout.select(micro)
+            optimizer.zero_grad(set_to_none=True)
+            for micro in self.micro_batches(rollout, rows):
+                part = rollout.select(micro).trimmed()
+                width = part.completion_ids.shape[1]
+                logp = self.sequence_logprobs(self.senior, part)
+                if old_logp is None:
+                    gap.add(logp, part.senior_logprobs, part.author)
                 inputs = ObjectiveInputs(
-                    logp=self.sequence_logprobs(self.senior, part),
+                    logp=logp,
                     author=part.author,
                     rewards=rewards[micro],
                     group=group[micro],
-                    old_logp=old_logp[micro] if old_logp is not None else None,
-                    ref_logp=ref_logp[micro] if ref_logp is not None else None,
+                    old_logp=old_logp[micro, :width] if old_logp is not None else None,
+                    ref_logp=ref_logp[micro, :width] if ref_logp is not None else None,
                     advantages=advantages[micro],
                     mask=allowed[micro] if allowed is not None else None,
+                    rollout_logp=part.senior_logprobs,
                 )
                 loss, metrics = self.objective(inputs, scale)
                 self.manual_backward(loss)
@@ -502,8 +557,33 @@ class TandemModule(L.LightningModule):
                     torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), self.max_grad_norm)
                 ) / len(updates)
             optimizer.step()
+            self._policy_version += 1
+        optimizer.zero_grad(set_to_none=True)  # no gradient memory held through the next rollouts
         totals["updates"] = float(len(updates))
+        totals.update(gap.metrics())
         return totals
+
+    def micro_batches(self, rollout: Rollout, rows: Tensor) -> list[Tensor]:
+        """The rows of one update in forward/backward passes of at most ``micro_batch_size`` rows
+        and ``memory.micro_batch_tokens`` padded tokens, longest first (one row may exceed the
+        token bound alone). The gradient is a sum over rows: grouping does not change it."""
+        limit = self.memory.micro_batch_tokens
+        if limit is None:
+            return list(rows.split(self.micro_batch_size))
+        prompts = rollout.prompt_mask.sum(-1)[rows].tolist()
+        completions = rollout.lengths[rows].tolist()
+        order = sorted(range(len(rows)), key=lambda i: -(prompts[i] + completions[i]))
+        batches: list[list[int]] = []
+        for i in order:
+            current = batches[-1] if batches else []
+            grown = current + [i]
+            # a trimmed pass is as wide as its longest prompt plus its longest completion
+            padded = len(grown) * (max(prompts[j] for j in grown) + max(completions[j] for j in grown))
+            if current and len(grown) <= self.micro_batch_size and padded <= limit:
+                current.append(i)
+            else:
+                batches.append([i])
+        return [rows[torch.tensor(b, device=rows.device)] for b in batches]
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.senior.parameters() if p.requires_grad]
@@ -517,148 +597,28 @@ class TandemModule(L.LightningModule):
         return completion_logprobs(model, rollout, self.sampling.temperature if temperature is None else temperature)
 
     @torch.no_grad()
-    def behaviour_logprobs(self, rollout: Rollout) -> Tensor:
+    def behaviour_logprobs(self, rollout: Rollout) -> Tensor:  # -> [N, T]
         """Senior log-probs before any update of this step (the ratio's denominator)."""
-        rows = torch.arange(rollout.completion_ids.shape[0], device=self.device)
-        return torch.cat([self.sequence_logprobs(self.senior, rollout.select(m)) for m in rows.split(self.micro_batch_size)])
+        return self.logprobs_by_rows(rollout, lambda part: self.sequence_logprobs(self.senior, part))
 
     @torch.no_grad()
-    def reference_logprobs(self, rollout: Rollout) -> Tensor:
+    def reference_logprobs(self, rollout: Rollout) -> Tensor:  # -> [N, T]
         """Log-probs under the reference policy: the initial senior (LoRA disabled, or a frozen copy)."""
+        if self.reference is not None:
+            return self.logprobs_by_rows(rollout, lambda part: self.sequence_logprobs(self.reference, part))
+        with self.senior.disable_adapter():
+            return self.logprobs_by_rows(rollout, lambda part: self.sequence_logprobs(self.senior, part))
+
+    def logprobs_by_rows(self, rollout: Rollout, logprobs: Callable[[Rollout], Tensor]) -> Tensor:  # -> [N, T]
+        """``logprobs`` over the whole batch in micro-batches, padding columns trimmed per pass."""
         rows = torch.arange(rollout.completion_ids.shape[0], device=self.device)
-        parts = []
-        for m in rows.split(self.micro_batch_size):
-            if self.reference is not None:
-                parts.append(self.sequence_logprobs(self.reference, rollout.select(m)))
-            else:
-                with self.senior.disable_adapter():
-                    parts.append(self.sequence_logprobs(self.senior, rollout.select(m)))
-        return torch.cat(parts)
-
-    # ------------------------------------------------------------------------------- evaluation
-
-    def eval_policy(self, mode: EvalMode) -> HandoffPolicy:
-        if mode == "tandem":
-            return self.eval_handoff
-        return SoloHandoff(author=mode)
-
-    def evaluate_batch(self, rows: list[dict[str, Any]], key: int) -> dict[str, tuple[float, int]]:
-        """Each eval mode on one batch: {metric name: (mean, count)}."""
-        out: dict[str, tuple[float, int]] = {}
-        for mode in self.eval_modes:
-            result = self.rollout(rows, self.eval_policy(mode), self.eval_sampling, key)
-            n = len(result.grades)
-            out[f"eval/{mode}_accuracy"] = (sum(result.correct) / n, n)
-            samples = self.eval_sampling.n
-            correct = torch.tensor(result.correct).view(len(rows), samples).sum(-1).tolist()
-            for k in self.pass_k:
-                if 1 < k <= samples:
-                    out[f"eval/{mode}_pass_at_{k}"] = (sum(pass_at_k(samples, c, k) for c in correct) / len(rows), len(rows))
-            out[f"eval/{mode}_jargon_rate"] = (self.jargon.rate(result.rollout.texts), n)
-            out[f"eval/{mode}_response_length"] = (float(result.rollout.lengths.float().mean()), n)
-            out[f"eval/{mode}_truncation_rate"] = (float(result.rollout.truncated.float().mean()), n)
-            if mode == "tandem":
-                out["eval/tandem_junior_token_share"] = (result.rollout.junior_token_share(), n)
-                self.write_completions(result, "eval_tandem")
+        out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=self.device)
+        for micro in self.micro_batches(rollout, rows):
+            part = logprobs(rollout.select(micro).trimmed())
+            out[micro, : part.shape[1]] = part.float()
         return out
 
-    def validation_step(self, batch: list[dict[str, Any]], batch_idx: int) -> None:
-        for name, (value, count) in self.evaluate_batch(batch, batch_idx).items():
-            self.log(name, value, batch_size=count, on_epoch=True, logger=False, prog_bar=name.endswith("senior_accuracy"))
-
-    def on_validation_epoch_end(self) -> None:
-        if self.trainer.sanity_checking:
-            return
-        self.log_metrics_at_update({k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith("eval/")})
-
-    def on_train_start(self) -> None:
-        if not self.evaluate_at_start or self.global_step > 0 or not self.trainer.val_dataloaders:
-            return
-        totals: dict[str, list[float]] = {}
-        for index, rows in enumerate(self.trainer.val_dataloaders):
-            for name, (value, count) in self.evaluate_batch(rows, index).items():
-                total = totals.setdefault(name, [0.0, 0])
-                total[0] += value * count
-                total[1] += count
-        row = {name: s / max(c, 1) for name, (s, c) in totals.items()}
-        self.log_metrics_at_update(row)
-        log.info("evaluation before training: %s", json.dumps({k: round(v, 4) for k, v in row.items()}))
-
-    def predict_step(self, batch: list[dict[str, Any]], batch_idx: int, dataloader_idx: int = 0) -> list[dict[str, Any]]:
-        """Completions of every eval mode for the rows (``eval_sampling``), graded, with spans
-        marked by author; also appended to ``predictions.jsonl`` in the run folder."""
-        records = []
-        for mode in self.eval_modes:
-            result = self.rollout(batch, self.eval_policy(mode), self.eval_sampling, dataloader_idx * 1_000_003 + batch_idx)
-            for i, grade in enumerate(result.grades):
-                spans = result.rollout.spans(i, self.tokenizer)
-                records.append({
-                    "mode": mode,
-                    "prompt": batch[i // self.eval_sampling.n]["prompt"],
-                    "completion": result.rollout.texts[i],
-                    "reward": grade.reward,
-                    "correct": grade.correct,
-                    "extracted": grade.extracted,
-                    "spans": [{"author": a.name.lower(), "text": t} for a, t in spans],
-                })
-        if self.trainer.is_global_zero:
-            path = Path(self.trainer.default_root_dir) / "predictions.jsonl"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with path.open("a", encoding="utf-8") as f:
-                f.writelines(json.dumps(r) + "\n" for r in records)
-        return records
-
-    def test_step(self, batch: list[dict[str, Any]], batch_idx: int, dataloader_idx: int = 0) -> None:
-        """Solo and handoff samples of every problem, graded, tallied per eval set."""
-        name = str(batch[0].get("dataset", f"set{dataloader_idx}"))
-        tally = self._test_tallies.setdefault(name, DatasetTally(n=self.test_sampling.n))
-        key = dataloader_idx * 1_000_003 + batch_idx
-        solo = self.rollout(batch, SoloHandoff("senior"), self.test_sampling, key)
-        self._tally(tally, solo, handoff=False)
-        if self.junior is not None:
-            handoff = self.rollout(batch, self.test_handoff, self.test_sampling, key)
-            self._tally(tally, handoff, handoff=True)
-            nll, tokens = self.partner_cross_entropy(solo.rollout)
-            tally.partner_nll += nll
-            tally.partner_tokens += tokens
-
-    def _tally(self, tally: DatasetTally, result: RolloutResult, handoff: bool) -> None:
-        n = self.test_sampling.n
-        per_problem = torch.tensor(result.correct).view(-1, n).sum(-1).tolist()
-        (tally.handoff_correct if handoff else tally.solo_correct).extend(per_problem)
-        (tally.handoff_lengths if handoff else tally.solo_lengths).extend(result.rollout.lengths.tolist())
-        (tally.handoff_truncated if handoff else tally.solo_truncated).extend(result.rollout.truncated.tolist())
-
-    @torch.no_grad()
-    def partner_cross_entropy(self, rollout: Rollout) -> tuple[float, int]:
-        """Legibility: the partner's summed negative log-likelihood of the model's solo text
-        (temperature 1, teacher-forced) and the number of tokens it covers."""
-        rows = torch.arange(rollout.completion_ids.shape[0], device=self.device)
-        total, tokens = 0.0, 0
-        for m in rows.split(self.micro_batch_size):
-            part = rollout.select(m)
-            logp = self.sequence_logprobs(self.junior, part, temperature=1.0)
-            mask = part.completion_mask
-            total += float(-(logp * mask).sum())
-            tokens += int(mask.sum())
-        return total, tokens
-
-    def on_test_epoch_start(self) -> None:
-        self._test_tallies = {}
-
-    def on_test_epoch_end(self) -> None:
-        report = summarize(self._test_tallies, self.pass_k)
-        report["settings"] = {
-            "sampling": vars(self.test_sampling), "handoff": repr(self.test_handoff), "pass_k": self.pass_k,
-            "senior": vars(self.senior_source), "partner": vars(self.junior_source) if self.junior_source else None,
-        }
-        self.log_dict(flat_metrics(report))
-        if self.trainer.is_global_zero:
-            from tandem_lit.callbacks import log_artifact
-
-            for path in write_report(report, self.pass_k, Path(self.trainer.default_root_dir) / "eval"):
-                log_artifact(self.trainer, path, "eval")
-        self.test_report = report
+    # ------------------------------------------------------------------------------- evaluation
 
     # ---------------------------------------------------------------------------- checkpointing
 
@@ -679,6 +639,7 @@ class TandemModule(L.LightningModule):
                 f"(e.g. {sorted(missing)[:3]}); load it with the same senior and lora settings it was trained with"
             )
         self.history = list(checkpoint.get("tandem_lit", {}).get("history", []))
+        self._policy_version += 1  # the loaded weights reach the engine's copy before the next rollout
 
     # ---------------------------------------------------------------------------------- logging
 
@@ -702,6 +663,18 @@ class TandemModule(L.LightningModule):
                     "marked": "".join(f"[{a.name[0]}]{t}" for a, t in spans),
                 }
                 f.write(json.dumps(record) + "\n")
+
+
+def engine_phases(timing: dict[str, float]) -> dict[str, float]:
+    """A step's engine phases as train metrics (engines that report ``last_timing``)."""
+    if not timing:
+        return {}
+    return {
+        "rollout_setup_seconds": timing["setup_s"],
+        "rollout_prefill_seconds": timing["prefill_s"],
+        "rollout_decode_seconds": timing["decode_s"],
+        "decode_step_ms": 1000 * timing["decode_s"] / max(timing["decode_steps"], 1),
+    }
 
 
 def default_engine(senior: nn.Module, junior: nn.Module | None) -> RolloutEngine:

@@ -69,3 +69,33 @@ class DynamicSampling:
     def __post_init__(self) -> None:
         if min(self.prompts_per_step, self.max_rounds) < 1:
             raise ConfigError("dynamic_sampling.prompts_per_step and max_rounds must be >= 1")
+
+
+@dataclass
+class MemorySettings:
+    """How a step fits the GPU: rollouts and the update take turns with the big buffers.
+
+    Args:
+        release_rollout_caches: Free the engine's KV caches and captured graphs after each rollout
+            phase, so the update's activations can use that memory (re-allocated and re-captured
+            by the next rollout: ``train/rollout_setup_seconds``). Off: keep them (faster when
+            both phases fit side by side).
+        offload_optimizer: Move the optimizer state to pinned host memory during rollouts (the
+            32 GB of a 4B model's AdamW state make room for KV caches; ~1.3 s each way).
+        gradient_checkpointing: Recompute each decoder layer of the senior in the backward pass
+            instead of keeping its activations (about a third more update compute).
+        micro_batch_tokens: Bound each forward/backward pass by tokens (rows x padded length)
+            as well as by ``micro_batch_size`` rows; rows are grouped by length. None: rows only.
+        check: Before the first step, estimate the step's peak memory from the shapes and fail
+            with what does not fit (and which setting to change) instead of running out mid-run.
+    """
+
+    release_rollout_caches: bool = True
+    offload_optimizer: bool = False
+    gradient_checkpointing: bool = False
+    micro_batch_tokens: int | None = None
+    check: bool = True
+
+    def __post_init__(self) -> None:
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
+            raise ConfigError(f"memory.micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")

@@ -101,6 +101,22 @@ class Rollout:
         logprobs = self.senior_logprobs[index] if self.senior_logprobs is not None else None
         return Rollout(**picked, texts=[self.texts[i] for i in index.tolist()], senior_logprobs=logprobs)
 
+    def trimmed(self) -> Rollout:
+        """The same rows without columns that are padding in every row (prompt columns on the
+        left, completion columns on the right): a micro-batch's forward pays for its own longest
+        sequence, not the whole batch's."""
+        first = int(self.prompt_mask.bool().any(0).long().argmax()) if self.prompt_mask.numel() else 0
+        width = max(int(self.lengths.max()) if self.lengths.numel() else 0, 1)
+        logprobs = self.senior_logprobs[:, :width] if self.senior_logprobs is not None else None
+        return replace(
+            self,
+            prompt_ids=self.prompt_ids[:, first:],
+            prompt_mask=self.prompt_mask[:, first:],
+            completion_ids=self.completion_ids[:, :width],
+            author=self.author[:, :width],
+            senior_logprobs=logprobs,
+        )
+
     def spans(self, row: int, tokenizer) -> list[tuple[Author, str]]:
         """The completion of one row as (author, text) spans, for logs a person can read."""
         ids = self.completion_ids[row].tolist()

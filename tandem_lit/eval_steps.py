@@ -1,0 +1,158 @@
+"""The evaluation half of TandemModule: validation, ``tandem-lit test`` and ``predict``.
+
+Every mode is a rollout through the same engine and verifier as training (one grader for rewards
+and correctness), with the evaluation's own handoff and sampling:
+
+- validation (``eval_modes``: senior alone, junior alone, tandem) logs ``eval/<mode>_<metric>``
+  at the number of optimiser updates so far, once before training if asked;
+- test reports solo and handoff pass@k per eval set and their macro average, plus the partner's
+  cross-entropy on the model's solo text (legibility), to ``eval/results.{json,md}``;
+- predict writes graded completions of every mode, spans marked by author.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from tandem_lit.evaluation import DatasetTally, flat_metrics, summarize, write_report
+from tandem_lit.metrics import pass_at_k
+from tandem_lit.results import RolloutResult
+from tandem_lit.rollout.handoff import HandoffPolicy, SoloHandoff
+from tandem_lit.rollout.record import Rollout
+
+log = logging.getLogger(__name__)
+
+EvalMode = Literal["senior", "junior", "tandem"]
+
+
+class EvaluationSteps:
+    """Lightning's validation, test and predict hooks of ``TandemModule`` (a mixin: it uses the
+    module's ``rollout``, ``jargon``, ``eval_*``/``test_*`` settings and loggers)."""
+
+    def eval_policy(self, mode: EvalMode) -> HandoffPolicy:
+        if mode == "tandem":
+            return self.eval_handoff
+        return SoloHandoff(author=mode)
+
+    def evaluate_batch(self, rows: list[dict[str, Any]], key: int) -> dict[str, tuple[float, int]]:
+        """Each eval mode on one batch: {metric name: (mean, count)}."""
+        out: dict[str, tuple[float, int]] = {}
+        for mode in self.eval_modes:
+            result = self.rollout(rows, self.eval_policy(mode), self.eval_sampling, key)
+            n = len(result.grades)
+            out[f"eval/{mode}_accuracy"] = (sum(result.correct) / n, n)
+            samples = self.eval_sampling.n
+            correct = torch.tensor(result.correct).view(len(rows), samples).sum(-1).tolist()
+            for k in self.pass_k:
+                if 1 < k <= samples:
+                    out[f"eval/{mode}_pass_at_{k}"] = (sum(pass_at_k(samples, c, k) for c in correct) / len(rows), len(rows))
+            out[f"eval/{mode}_jargon_rate"] = (self.jargon.rate(result.rollout.texts), n)
+            out[f"eval/{mode}_response_length"] = (float(result.rollout.lengths.float().mean()), n)
+            out[f"eval/{mode}_truncation_rate"] = (float(result.rollout.truncated.float().mean()), n)
+            if mode == "tandem":
+                out["eval/tandem_junior_token_share"] = (result.rollout.junior_token_share(), n)
+                self.write_completions(result, "eval_tandem")
+        return out
+
+    def validation_step(self, batch: list[dict[str, Any]], batch_idx: int) -> None:
+        for name, (value, count) in self.evaluate_batch(batch, batch_idx).items():
+            self.log(name, value, batch_size=count, on_epoch=True, logger=False, prog_bar=name.endswith("senior_accuracy"))
+
+    def on_validation_epoch_end(self) -> None:
+        if self.trainer.sanity_checking:
+            return
+        self.log_metrics_at_update({k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith("eval/")})
+
+    def on_train_start(self) -> None:
+        if not self.evaluate_at_start or self.global_step > 0 or not self.trainer.val_dataloaders:
+            return
+        totals: dict[str, list[float]] = {}
+        for index, rows in enumerate(self.trainer.val_dataloaders):
+            for name, (value, count) in self.evaluate_batch(rows, index).items():
+                total = totals.setdefault(name, [0.0, 0])
+                total[0] += value * count
+                total[1] += count
+        row = {name: s / max(c, 1) for name, (s, c) in totals.items()}
+        self.log_metrics_at_update(row)
+        log.info("evaluation before training: %s", json.dumps({k: round(v, 4) for k, v in row.items()}))
+
+    def predict_step(self, batch: list[dict[str, Any]], batch_idx: int, dataloader_idx: int = 0) -> list[dict[str, Any]]:
+        """Completions of every eval mode for the rows (``eval_sampling``), graded, with spans
+        marked by author; also appended to ``predictions.jsonl`` in the run folder."""
+        records = []
+        for mode in self.eval_modes:
+            result = self.rollout(batch, self.eval_policy(mode), self.eval_sampling, dataloader_idx * 1_000_003 + batch_idx)
+            for i, grade in enumerate(result.grades):
+                spans = result.rollout.spans(i, self.tokenizer)
+                records.append({
+                    "mode": mode,
+                    "prompt": batch[i // self.eval_sampling.n]["prompt"],
+                    "completion": result.rollout.texts[i],
+                    "reward": grade.reward,
+                    "correct": grade.correct,
+                    "extracted": grade.extracted,
+                    "spans": [{"author": a.name.lower(), "text": t} for a, t in spans],
+                })
+        if self.trainer.is_global_zero:
+            path = Path(self.trainer.default_root_dir) / "predictions.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("a", encoding="utf-8") as f:
+                f.writelines(json.dumps(r) + "\n" for r in records)
+        return records
+
+    def test_step(self, batch: list[dict[str, Any]], batch_idx: int, dataloader_idx: int = 0) -> None:
+        """Solo and handoff samples of every problem, graded, tallied per eval set."""
+        name = str(batch[0].get("dataset", f"set{dataloader_idx}"))
+        tally = self._test_tallies.setdefault(name, DatasetTally(n=self.test_sampling.n))
+        key = dataloader_idx * 1_000_003 + batch_idx
+        solo = self.rollout(batch, SoloHandoff("senior"), self.test_sampling, key)
+        self._tally(tally, solo, handoff=False)
+        if self.junior is not None:
+            handoff = self.rollout(batch, self.test_handoff, self.test_sampling, key)
+            self._tally(tally, handoff, handoff=True)
+            nll, tokens = self.partner_cross_entropy(solo.rollout)
+            tally.partner_nll += nll
+            tally.partner_tokens += tokens
+
+    def _tally(self, tally: DatasetTally, result: RolloutResult, handoff: bool) -> None:
+        n = self.test_sampling.n
+        per_problem = torch.tensor(result.correct).view(-1, n).sum(-1).tolist()
+        (tally.handoff_correct if handoff else tally.solo_correct).extend(per_problem)
+        (tally.handoff_lengths if handoff else tally.solo_lengths).extend(result.rollout.lengths.tolist())
+        (tally.handoff_truncated if handoff else tally.solo_truncated).extend(result.rollout.truncated.tolist())
+
+    @torch.no_grad()
+    def partner_cross_entropy(self, rollout: Rollout) -> tuple[float, int]:
+        """Legibility: the partner's summed negative log-likelihood of the model's solo text
+        (temperature 1, teacher-forced) and the number of tokens it covers."""
+        rows = torch.arange(rollout.completion_ids.shape[0], device=self.device)
+        total, tokens = 0.0, 0
+        for m in rows.split(self.micro_batch_size):
+            part = rollout.select(m)
+            logp = self.sequence_logprobs(self.junior, part, temperature=1.0)
+            mask = part.completion_mask
+            total += float(-(logp * mask).sum())
+            tokens += int(mask.sum())
+        return total, tokens
+
+    def on_test_epoch_start(self) -> None:
+        self._test_tallies = {}
+
+    def on_test_epoch_end(self) -> None:
+        report = summarize(self._test_tallies, self.pass_k)
+        report["settings"] = {
+            "sampling": vars(self.test_sampling), "handoff": repr(self.test_handoff), "pass_k": self.pass_k,
+            "senior": vars(self.senior_source), "partner": vars(self.junior_source) if self.junior_source else None,
+        }
+        self.log_dict(flat_metrics(report))
+        if self.trainer.is_global_zero:
+            from tandem_lit.callbacks import log_artifact
+
+            for path in write_report(report, self.pass_k, Path(self.trainer.default_root_dir) / "eval"):
+                log_artifact(self.trainer, path, "eval")
+        self.test_report = report

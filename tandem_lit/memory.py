@@ -1,0 +1,201 @@
+"""GPU memory of a training step: an estimate from shapes before the run, and optimizer-state
+offload during rollouts.
+
+A step has two phases that never need their big buffers at the same time:
+
+    rollout: trained weights + rollout copy + junior + KV caches (+ optimizer state unless offloaded)
+    update:  trained weights + gradients + optimizer state + rollout copy + junior + activations
+
+The engine releases its caches before the update and gradients are freed (not zeroed) after it,
+so the peak is the larger phase, not their sum. ``estimate_step_memory`` adds the parts up from
+the models' shapes and the run's settings; ``MemoryEstimate.check`` fails before the first step
+with what does not fit and which setting to change, instead of an out-of-memory trace mid-run.
+The activation model is deliberately simple (saved tensors of a Llama-family block under bf16
+autocast, counted per token); ``benchmarks/train_step.py`` prints it next to the measured peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from tandem_lit.errors import ConfigError
+
+GIB = 1024**3
+FIXED_OVERHEAD = 3 * GIB  # CUDA context, cuBLAS workspaces, graph pools, allocator slack
+LOGIT_CHUNK_BYTES = 3 * GIB  # logprobs.CHUNK_ELEMENTS float32 logits, their log-softmax and its gradient
+
+
+class MemoryBudgetError(ConfigError):
+    """The estimated peak memory of a step exceeds the device's."""
+
+
+@dataclass
+class ModelShape:
+    """What memory depends on, read from a model (real, or built on the meta device)."""
+
+    params: int  # distinct parameters (tied weights once)
+    trainable: int  # parameters with requires_grad
+    param_bytes: int  # bytes per parameter as held for training (the frozen base's, under LoRA)
+    trainable_bytes: int  # bytes per trainable parameter (its gradient and Adam moments have the same)
+    layers: int
+    hidden: int
+    intermediate: int
+    q_width: int  # attention heads x head_dim
+    kv_width: int  # key/value heads x head_dim
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ModelShape:
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        config = base.config
+        params = list(base.parameters())
+        trainable = [p for p in params if p.requires_grad]
+        frozen = [p for p in params if not p.requires_grad]
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(
+            params=sum(p.numel() for p in params),
+            trainable=sum(p.numel() for p in trainable),
+            param_bytes=(frozen or params)[0].element_size(),
+            trainable_bytes=trainable[0].element_size() if trainable else 0,
+            layers=config.num_hidden_layers,
+            hidden=config.hidden_size,
+            intermediate=config.intermediate_size,
+            q_width=heads * head_dim,
+            kv_width=(getattr(config, "num_key_value_heads", None) or heads) * head_dim,
+        )
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return self.layers * 2 * self.kv_width * dtype_bytes
+
+    def weight_bytes(self) -> int:
+        frozen = self.params - self.trainable
+        return frozen * self.param_bytes + self.trainable * self.trainable_bytes
+
+    def activation_bytes_per_token(self, checkpointing: bool, compute_bytes: int) -> int:
+        """Tensors saved for the backward pass, per token (see the module docstring)."""
+        c, r = compute_bytes, max(self.param_bytes, self.trainable_bytes)
+        h, q, kv, inter = self.hidden, self.q_width, self.kv_width, self.intermediate
+        per_layer = 2 * (r + c) * h + 2 * c * h + (4 + c) * (q + kv) + c * (3 * q + 2 * kv) + 4 * c * inter
+        if checkpointing:  # each layer keeps its input; one layer is recomputed at a time
+            return self.layers * r * h + per_layer
+        return self.layers * per_layer
+
+
+@dataclass
+class StepSettings:
+    """The run's settings that size a step's memory."""
+
+    rollout_sequences: int  # sequences per engine call
+    sequence_tokens: int  # prompt + completion tokens of one sequence, at most
+    micro_batch_tokens: int  # tokens of one forward/backward pass, at most
+    rollout_bytes: int  # bytes per parameter of the decoded senior (its rollout copy, or itself)
+    rollout_copy: bool  # the engine holds its own copy of the senior
+    junior_bytes: int = 0  # bytes per parameter of the junior
+    mixed_precision: bool = True  # bf16 compute over float32 weights (autocast)
+    checkpointing: bool = False
+    offload_optimizer: bool = False
+    optimizer_states: int = 2  # AdamW: exp_avg and exp_avg_sq, in the trainable dtype
+    reference_copy: bool = False  # a frozen copy of the senior for the KL term
+
+
+@dataclass
+class MemoryEstimate:
+    rollout: dict[str, int] = field(default_factory=dict)
+    update: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def peak(self) -> int:
+        return max(sum(self.rollout.values()), sum(self.update.values()))
+
+    def table(self) -> str:
+        def phase(name: str, parts: dict[str, int]) -> str:
+            items = ", ".join(f"{k} {v / GIB:.1f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v)
+            return f"{name} {sum(parts.values()) / GIB:.1f} GiB ({items})"
+
+        return f"{phase('rollout', self.rollout)}; {phase('update', self.update)}"
+
+    def check(self, capacity: int, device: str = "the GPU") -> None:
+        if self.peak <= capacity:
+            return
+        rollout, update = sum(self.rollout.values()), sum(self.update.values())
+        fixes = []
+        if rollout > capacity:
+            fixes.append("lower rollout_batch_size (KV caches grow with it), set offload_optimizer: true, or train LoRA adapters")
+        if update > capacity:
+            fixes.append("lower micro_batch_tokens / micro_batch_size, set gradient_checkpointing: true, or train LoRA adapters")
+        raise MemoryBudgetError(
+            f"a training step needs about {self.peak / GIB:.0f} GiB, {device} has {capacity / GIB:.0f} GiB: "
+            f"{self.table()}. To fit: {'; '.join(fixes)} (or memory.check: false to try anyway)"
+        )
+
+
+def estimate_step_memory(senior: ModelShape, junior: ModelShape | None, settings: StepSettings) -> MemoryEstimate:
+    s = settings
+    weights = senior.weight_bytes()
+    state = senior.trainable * senior.trainable_bytes * s.optimizer_states
+    common = {
+        "senior weights": weights,
+        "rollout copy": senior.params * s.rollout_bytes if s.rollout_copy else 0,
+        "junior": junior.params * s.junior_bytes if junior else 0,
+        "reference": senior.params * senior.param_bytes if s.reference_copy else 0,
+        "overhead": FIXED_OVERHEAD,
+    }
+    kv = s.rollout_sequences * s.sequence_tokens * senior.kv_bytes_per_token(s.rollout_bytes)
+    if junior is not None:
+        kv += s.rollout_sequences * s.sequence_tokens * junior.kv_bytes_per_token(s.junior_bytes)
+    rollout = dict(common, **{"KV caches": kv, "optimizer state": 0 if s.offload_optimizer else state})
+    compute = 2 if s.mixed_precision else senior.trainable_bytes or senior.param_bytes
+    activations = s.micro_batch_tokens * senior.activation_bytes_per_token(s.checkpointing, compute)
+    update = dict(
+        common,
+        **{
+            "gradients": senior.trainable * senior.trainable_bytes,
+            "optimizer state": state,
+            "activations": activations + LOGIT_CHUNK_BYTES,
+            # autocast keeps a bf16 cast of every trainable weight for the backward pass
+            "autocast weight cache": senior.trainable * 2 if s.mixed_precision and senior.trainable_bytes > 2 else 0,
+        },
+    )
+    return MemoryEstimate(rollout=rollout, update=update)
+
+
+class OptimizerOffload:
+    """Moves optimizer state to pinned host memory during rollouts and back for the update.
+
+    The host buffers are allocated once and reused, so a step costs two copies over PCIe (~1.3 s
+    each for the 32 GB of a 4B model's AdamW state) and no allocation.
+    """
+
+    def __init__(self) -> None:
+        self._host: dict[tuple[int, str], torch.Tensor] = {}
+        self._device: dict[tuple[int, str], torch.device] = {}
+
+    def to_host(self, optimizer: torch.optim.Optimizer) -> int:
+        moved = 0
+        for param, state in optimizer.state.items():
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.is_cuda:
+                    slot = (id(param), key)
+                    host = self._host.get(slot)
+                    if host is None or host.shape != value.shape or host.dtype != value.dtype:
+                        host = self._host[slot] = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+                    host.copy_(value, non_blocking=True)
+                    self._device[slot] = value.device
+                    state[key] = host
+                    moved += value.numel() * value.element_size()
+        if moved:
+            torch.cuda.synchronize()  # the device copies may be freed only once the host has them
+        return moved
+
+    def to_device(self, optimizer: torch.optim.Optimizer) -> int:
+        moved = 0
+        for param, state in optimizer.state.items():
+            for key, value in state.items():
+                slot = (id(param), key)
+                if torch.is_tensor(value) and slot in self._device and value is self._host.get(slot):
+                    state[key] = value.to(self._device.pop(slot), non_blocking=True)
+                    moved += value.numel() * value.element_size()
+        return moved

@@ -1,0 +1,138 @@
+"""Memory of a training step: the estimate from shapes, its error message, token-bounded
+micro-batches (same gradient), activation checkpointing (same gradient)."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from conftest import tiny_tandem_module
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tandem_lit.data import GSM8KDataModule
+from tandem_lit.memory import GIB, MemoryBudgetError, ModelShape, StepSettings, estimate_step_memory
+from tandem_lit.objectives import GRPO
+from tandem_lit.rollout import Author, Rollout, SamplingConfig
+from tandem_lit.settings import MemorySettings
+from tandem_lit.verifiers.base import Grade, Verifier
+
+pytestmark = [
+    pytest.mark.usefixtures("in_repo"),
+    pytest.mark.filterwarnings(r"ignore:.*module\(s\) in eval mode"),
+    pytest.mark.filterwarnings("ignore:No seed found"),
+]
+
+# Qwen3-4B: 36 layers, hidden 2560, MLP 9728, 32 query heads and 8 KV heads of 128
+QWEN3_4B = ModelShape(
+    params=4_022_468_096, trainable=4_022_468_096, param_bytes=4, trainable_bytes=4,
+    layers=36, hidden=2560, intermediate=9728, q_width=4096, kv_width=1024,
+)
+
+
+def test_kv_and_training_state_hand_computed():
+    """Self-paired 4B, float32 master, bf16 copy and junior, 64 sequences of 1024 + 3000 tokens.
+    KV per token per model: 36 layers x (K and V) x 1024 x 2 bytes = 147,456 bytes."""
+    settings = StepSettings(
+        rollout_sequences=64, sequence_tokens=4024, micro_batch_tokens=8048, rollout_bytes=2, rollout_copy=True,
+        junior_bytes=2,
+    )
+    junior = ModelShape(**{**vars(QWEN3_4B), "trainable": 0, "param_bytes": 2, "trainable_bytes": 0})
+    estimate = estimate_step_memory(QWEN3_4B, junior, settings)
+    assert estimate.rollout["KV caches"] == 2 * 64 * 4024 * 147_456
+    assert estimate.rollout["senior weights"] == QWEN3_4B.params * 4
+    assert estimate.rollout["optimizer state"] == QWEN3_4B.params * 8  # AdamW: two float32 moments
+    assert estimate.rollout["rollout copy"] == estimate.rollout["junior"] == QWEN3_4B.params * 2
+    assert estimate.update["gradients"] == QWEN3_4B.params * 4
+    assert estimate.update["autocast weight cache"] == QWEN3_4B.params * 2
+    assert "KV caches" not in estimate.update, "the caches are released before the update"
+    offloaded = estimate_step_memory(QWEN3_4B, junior, StepSettings(**{**vars(settings), "offload_optimizer": True}))
+    assert offloaded.rollout["optimizer state"] == 0 and offloaded.update["optimizer state"] == QWEN3_4B.params * 8
+    checkpointed = estimate_step_memory(QWEN3_4B, junior, StepSettings(**{**vars(settings), "checkpointing": True}))
+    assert checkpointed.update["activations"] < estimate.update["activations"] / 5
+
+
+def test_a_step_that_cannot_fit_names_the_settings_to_change():
+    settings = StepSettings(rollout_sequences=192, sequence_tokens=4024, micro_batch_tokens=64 * 4024, rollout_bytes=2, rollout_copy=True)
+    estimate = estimate_step_memory(QWEN3_4B, None, settings)
+    with pytest.raises(MemoryBudgetError) as err:
+        estimate.check(141 * GIB, "NVIDIA H200")
+    message = str(err.value)
+    assert "NVIDIA H200 has 141 GiB" in message and "KV caches" in message
+    assert "rollout_batch_size" in message and "gradient_checkpointing" in message
+    estimate_step_memory(QWEN3_4B, None, StepSettings(**{**vars(settings), "rollout_sequences": 16, "micro_batch_tokens": 8048})).check(141 * GIB)
+
+
+def test_the_module_estimate_reads_its_models_and_settings():
+    module = tiny_tandem_module(
+        verifier=SpaceVerifier(), objective=GRPO(), sampling=SamplingConfig(n=4, max_new_tokens=100),
+        max_prompt_tokens=28, rollout_batch_size=8,
+    )
+    module.configure_model()
+    estimate = module.memory_estimate(prompts_per_step=4)  # 16 rollouts, 8 per engine call
+    senior, junior = ModelShape.of(module.senior), ModelShape.of(module.junior)
+    # float32 tiny models on the CPU: the engine decodes them as they are, no copy
+    assert estimate.rollout["rollout copy"] == 0
+    assert estimate.rollout["KV caches"] == 8 * 128 * (senior.kv_bytes_per_token(4) + junior.kv_bytes_per_token(4))
+    assert estimate.update["gradients"] == senior.params * 4
+
+
+class SpaceVerifier(Verifier):
+    def grade(self, completion: str, **columns) -> Grade:
+        return Grade(correct=" " in completion, reward=float(" " in completion))
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    prompts=st.lists(st.integers(1, 20), min_size=1, max_size=12),
+    completions=st.data(),
+    rows_per_pass=st.integers(1, 5),
+    limit=st.integers(1, 120),
+)
+def test_micro_batches_cover_every_row_once_within_the_bounds(prompts, completions, rows_per_pass, limit):
+    lengths = completions.draw(st.lists(st.integers(1, 30), min_size=len(prompts), max_size=len(prompts)))
+    n, width, p_width = len(prompts), max(lengths), max(prompts)
+    prompt_mask = torch.tensor([[0] * (p_width - p) + [1] * p for p in prompts])
+    author = torch.tensor([[int(Author.SENIOR)] * c + [int(Author.PAD)] * (width - c) for c in lengths], dtype=torch.int8)
+    zeros = torch.zeros(n, dtype=torch.long)
+    rollout = Rollout(prompt_mask, prompt_mask, author.long(), author, zeros.bool(), zeros.bool(), zeros, zeros, zeros)
+    module = tiny_tandem_module(verifier=SpaceVerifier(), objective=GRPO(), micro_batch_size=rows_per_pass,
+                                memory=MemorySettings(micro_batch_tokens=limit))
+    rows = torch.arange(n)
+    batches = module.micro_batches(rollout, rows)
+    assert sorted(torch.cat(batches).tolist()) == list(range(n))
+    for batch in batches:
+        idx = batch.tolist()
+        padded = len(idx) * (max(prompts[i] for i in idx) + max(lengths[i] for i in idx))
+        assert len(idx) <= rows_per_pass
+        assert len(idx) == 1 or padded <= limit  # a single row may exceed the bound alone
+
+
+def one_step_update(tmp_path, **settings) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    module = tiny_tandem_module(
+        verifier=SpaceVerifier(), objective=GRPO(), sampling=SamplingConfig(temperature=1.0, n=4, max_new_tokens=16),
+        optimizer=lambda params: torch.optim.SGD(params, lr=1.0), max_grad_norm=None, **settings,
+    )
+    module.configure_model()
+    before = {n: p.detach().clone() for n, p in module.senior.named_parameters()}
+    trainer = L.Trainer(
+        max_steps=1, logger=False, enable_checkpointing=False, limit_val_batches=0, accelerator="cpu", devices=1,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+    )
+    trainer.fit(module, datamodule=GSM8KDataModule(source="data/gsm8k-sample", val_size=4, batch_size=2))
+    assert module.senior.is_gradient_checkpointing == module.memory.gradient_checkpointing
+    return {n: p.detach() - before[n] for n, p in module.senior.named_parameters()}
+
+
+@pytest.mark.parametrize("memory", [
+    MemorySettings(micro_batch_tokens=600),  # passes of a few rows, grouped by length
+    MemorySettings(gradient_checkpointing=True),
+    MemorySettings(release_rollout_caches=False, offload_optimizer=True),  # offload is a no-op on CPU
+], ids=["micro_batch_tokens", "gradient_checkpointing", "keep_caches"])
+def test_memory_settings_do_not_change_the_update(tmp_path, memory):
+    reference = one_step_update(tmp_path / "reference", micro_batch_size=8)
+    changed = one_step_update(tmp_path / "changed", micro_batch_size=8, memory=memory)
+    assert any(float(d.abs().max()) > 0 for d in reference.values())
+    for name, delta in reference.items():
+        torch.testing.assert_close(changed[name], delta, atol=1e-6, rtol=1e-4, msg=name)
