@@ -162,6 +162,23 @@ def estimate_step_memory(senior: ModelShape, junior: ModelShape | None, settings
     return MemoryEstimate(rollout=rollout, update=update)
 
 
+def pack_by_tokens(prompts: list[int], completions: list[int], max_rows: int, max_tokens: int) -> list[list[int]]:
+    """Row indices in passes of at most ``max_rows`` rows and ``max_tokens`` padded tokens, longest
+    first, so rows of like length share a pass (a row longer than ``max_tokens`` goes alone)."""
+    order = sorted(range(len(prompts)), key=lambda i: -(prompts[i] + completions[i]))
+    passes: list[list[int]] = []
+    for i in order:
+        current = passes[-1] if passes else []
+        grown = current + [i]
+        # a trimmed pass is as wide as its longest prompt plus its longest completion
+        padded = len(grown) * (max(prompts[j] for j in grown) + max(completions[j] for j in grown))
+        if current and len(grown) <= max_rows and padded <= max_tokens:
+            current.append(i)
+        else:
+            passes.append([i])
+    return passes
+
+
 class OptimizerOffload:
     """Moves optimizer state to pinned host memory during rollouts and back for the update.
 

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from tandem_lit.errors import ConfigError
 from tandem_lit.eval_steps import EvalMode, EvaluationSteps
 from tandem_lit.logprobs import completion_logprobs
-from tandem_lit.memory import GIB, ModelShape, OptimizerOffload, StepSettings, estimate_step_memory
+from tandem_lit.memory import GIB, ModelShape, OptimizerOffload, StepSettings, estimate_step_memory, pack_by_tokens
 from tandem_lit.metrics import JargonDetector, LogprobGap, rollout_stats
 from tandem_lit.models import (
     LoraSettings,
@@ -179,6 +179,7 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         self._policy_version = 0
         self._engine_version = 0
         self.rollout_timing: dict[str, float] = {}  # the engine's phase times, summed over this step's calls
+        self.estimated_memory = None  # MemoryEstimate of a step, made when fit starts on a GPU
         self.max_grad_norm = max_grad_norm
         self.max_prompt_tokens = max_prompt_tokens
         self.overlong = overlong or OverlongPolicy()
@@ -261,20 +262,25 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         return self.engine
 
     def on_fit_start(self) -> None:
-        if not (self.memory.check and self.device.type == "cuda"):
+        if self.device.type != "cuda":
             return
-        estimate = self.memory_estimate()
-        log.info("estimated peak GPU memory of a training step: %s", estimate.table())
-        properties = torch.cuda.get_device_properties(self.device)
-        estimate.check(properties.total_memory, properties.name)
+        self.estimated_memory = self.memory_estimate()
+        log.info("estimated peak GPU memory of a training step: %s", self.estimated_memory.table())
+        if self.memory.check:
+            properties = torch.cuda.get_device_properties(self.device)
+            self.estimated_memory.check(properties.total_memory, properties.name)
 
-    def memory_estimate(self, prompts_per_step: int | None = None):
+    def memory_estimate(
+        self, prompts_per_step: int | None = None, mixed_precision: bool | None = None, decode_dtype: torch.dtype | None = None,
+    ):
         """The step's memory from the models' shapes and this run's settings (``tandem_lit.memory``);
-        ``prompts_per_step`` defaults to the data module's batch size."""
+        ``prompts_per_step`` and ``mixed_precision`` default to the data module's and trainer's,
+        ``decode_dtype`` to the engine's rollout dtype here (pass bf16 to size a GPU run elsewhere)."""
         from tandem_lit.rollout.weights import needs_copy, rollout_dtype
 
         requested = getattr(self.engine, "rollout_dtype", "auto")
-        decode_dtype = None if requested == "live" else rollout_dtype(requested, self.senior)
+        if decode_dtype is None and requested != "live":
+            decode_dtype = rollout_dtype(requested, self.senior)
         copy = decode_dtype is not None and needs_copy(self.senior, decode_dtype)
         senior = ModelShape.of(self.senior)
         junior = ModelShape.of(self.junior) if self.junior is not None else None
@@ -294,7 +300,9 @@ class TandemModule(EvaluationSteps, L.LightningModule):
             rollout_bytes=decode_dtype.itemsize if copy else senior.param_bytes,
             rollout_copy=copy,
             junior_bytes=junior.param_bytes if junior else 0,
-            mixed_precision="mixed" in str(getattr(trainer, "precision", "32")),
+            mixed_precision=(
+                "mixed" in str(getattr(trainer, "precision", "32")) if mixed_precision is None else mixed_precision
+            ),
             checkpointing=self.memory.gradient_checkpointing,
             offload_optimizer=self.memory.offload_optimizer,
             reference_copy=self.reference is not None,
@@ -374,7 +382,7 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         engine = self.ready_engine()
         rollout = engine.generate(prompts, policy, sampling)
         if hasattr(engine, "last_timing"):
-            for name, value in engine.last_timing().items():
+            for name, value in dict(engine.last_timing(), calls=1).items():
                 self.rollout_timing[name] = self.rollout_timing.get(name, 0.0) + value
         self.check_authorship(rollout, policy)
         columns = {name: [row[name] for row in rows for _ in range(sampling.n)] for name in rows[0] if name != "prompt"}
@@ -409,7 +417,7 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         self.rollout_timing = {}
         key = getattr(batch, "epoch", 0) * 1_000_003 + getattr(batch, "index", batch_idx)
         rows, skipped = self.prompts_that_fit(batch)
-        self.offload_optimizer_state()
+        offload_seconds = self.offload_optimizer_state()
         if not rows:
             result, sampling_stats = None, {}
         elif self.dynamic_sampling is None:
@@ -421,7 +429,7 @@ class TandemModule(EvaluationSteps, L.LightningModule):
             sampling_stats["skipped_long_prompts"] = float(skipped)
         if self.memory.release_rollout_caches and self._engine_device is not None:
             self.engine.release()  # the update's activations get the KV caches' memory
-        self.restore_optimizer_state()
+        offload_seconds += self.restore_optimizer_state()
         generated = time.perf_counter()
         if result is None:
             stats = dict(sampling_stats, skipped_update=1.0)
@@ -434,6 +442,8 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         stats["rollout_seconds"] = generated - started
         stats["update_seconds"] = time.perf_counter() - generated
         stats.update(engine_phases(self.rollout_timing))
+        if self._offload is not None:
+            stats["optimizer_offload_seconds"] = offload_seconds
         if self.device.type == "cuda":
             stats["peak_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / GIB
         row = {f"train/{k}": v for k, v in stats.items()}
@@ -445,13 +455,18 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         if hasattr(batch, "mark_consumed"):  # before ModelCheckpoint saves, in on_train_batch_end
             batch.mark_consumed()
 
-    def offload_optimizer_state(self) -> None:
+    def offload_optimizer_state(self) -> float:
+        """Optimizer state to the host for the rollouts (``memory.offload_optimizer``); seconds taken."""
+        started = time.perf_counter()
         if self._offload is not None and self.device.type == "cuda":
             self._offload.to_host(self.optimizers().optimizer)
+        return time.perf_counter() - started
 
-    def restore_optimizer_state(self) -> None:
+    def restore_optimizer_state(self) -> float:
+        started = time.perf_counter()
         if self._offload is not None:
             self._offload.to_device(self.optimizers().optimizer)
+        return time.perf_counter() - started
 
     def log_metrics_at_update(self, row: dict[str, float]) -> None:
         """Log a row at x = optimiser updates so far (0 = before training), the x of every plot,
@@ -565,25 +580,13 @@ class TandemModule(EvaluationSteps, L.LightningModule):
 
     def micro_batches(self, rollout: Rollout, rows: Tensor) -> list[Tensor]:
         """The rows of one update in forward/backward passes of at most ``micro_batch_size`` rows
-        and ``memory.micro_batch_tokens`` padded tokens, longest first (one row may exceed the
-        token bound alone). The gradient is a sum over rows: grouping does not change it."""
-        limit = self.memory.micro_batch_tokens
-        if limit is None:
+        and ``memory.micro_batch_tokens`` padded tokens (``memory.pack_by_tokens``). The gradient
+        is a sum over rows: grouping does not change it."""
+        if self.memory.micro_batch_tokens is None:
             return list(rows.split(self.micro_batch_size))
-        prompts = rollout.prompt_mask.sum(-1)[rows].tolist()
-        completions = rollout.lengths[rows].tolist()
-        order = sorted(range(len(rows)), key=lambda i: -(prompts[i] + completions[i]))
-        batches: list[list[int]] = []
-        for i in order:
-            current = batches[-1] if batches else []
-            grown = current + [i]
-            # a trimmed pass is as wide as its longest prompt plus its longest completion
-            padded = len(grown) * (max(prompts[j] for j in grown) + max(completions[j] for j in grown))
-            if current and len(grown) <= self.micro_batch_size and padded <= limit:
-                current.append(i)
-            else:
-                batches.append([i])
-        return [rows[torch.tensor(b, device=rows.device)] for b in batches]
+        prompts, completions = rollout.prompt_mask.sum(-1)[rows].tolist(), rollout.lengths[rows].tolist()
+        packed = pack_by_tokens(prompts, completions, self.micro_batch_size, self.memory.micro_batch_tokens)
+        return [rows[torch.tensor(b, device=rows.device)] for b in packed]
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.senior.parameters() if p.requires_grad]
@@ -674,6 +677,7 @@ def engine_phases(timing: dict[str, float]) -> dict[str, float]:
         "rollout_prefill_seconds": timing["prefill_s"],
         "rollout_decode_seconds": timing["decode_s"],
         "decode_step_ms": 1000 * timing["decode_s"] / max(timing["decode_steps"], 1),
+        "rollout_prompt_width": timing["prompt_width"] / timing["calls"],
     }
 
 

@@ -119,7 +119,9 @@ def test_fit_reinforce_objectives(tmp_path, objective, init_args, run_folder):
     assert not missing, f"not logged: {missing}"
     config = yaml.safe_load((root / "config.yaml").read_text())
     assert config["model"]["init_args"]["objective"] == {
-        "class_path": f"tandem_lit.objectives.{objective}", "init_args": {**init_args, "aggregation": "token-mean"}}
+        "class_path": f"tandem_lit.objectives.{objective}",
+        "init_args": {**init_args, "aggregation": "token-mean", "tis_cap": None},
+    }
     # random tiny models never answer correctly: positive-only REINFORCE has nothing to learn
     # from (loss 0, no rollout included); soft-masked REINFORCE pushes the failures down (c=-0.5)
     accuracy = history(client, run, "train/accuracy")

@@ -422,7 +422,7 @@ class FastEngine(RolloutEngine):
         self._pool = None
         self._weights_at_capture: dict[str, int] = {}
         self._side_stream: torch.cuda.Stream | None = None  # created on the first overlapped step
-        self._last_phases: tuple[_PhaseClock, int, float] | None = None
+        self._last_phases: tuple[_PhaseClock, int, float, int] | None = None
         device = self.models["senior"].device
         if self.kernels == "triton" and device.type != "cuda":
             raise ConfigError("FastEngine(kernels='triton') needs a CUDA device; use kernels: torch or auto")
@@ -598,20 +598,20 @@ class FastEngine(RolloutEngine):
                 if steps % self.check_every == 0 and decoder.all_finished():
                     break
             clock.mark()
-        self._last_phases = (clock, steps, setup_seconds)
+        self._last_phases = (clock, steps, setup_seconds, width)
         return decoder.finish(prompts, self.tokenizer, steps)
 
     def last_timing(self) -> dict[str, float]:
         """Where the last ``generate`` spent its time: setup seconds (cache allocation and graph
         capture: zero when both are reused), prefill seconds, decode seconds and steps, and the
-        decode step time."""
+        decode step time; ``prompt_width``: the padded prompt tokens decoding started from."""
         if self._last_phases is None:
             raise RuntimeError("last_timing() reports on a generate() call; none has run yet")
-        clock, steps, setup = self._last_phases
+        clock, steps, setup, width = self._last_phases
         prefill, decode = clock.seconds()
         return {
             "setup_s": setup, "prefill_s": prefill, "decode_s": decode, "decode_steps": steps,
-            "decode_step_ms": 1000 * decode / max(steps, 1),
+            "decode_step_ms": 1000 * decode / max(steps, 1), "prompt_width": width,
         }
 
     def _kv_len(self, needed: int) -> int:

@@ -1,0 +1,328 @@
+"""Full training steps of a run config on one device: tandem vs plain GRPO, measured in one run.
+
+Real-shape random models (the config's architectures, ``random_init``) with the real Qwen3
+tokenizer and chat template, real DeepScaleR prompts, the config's TandemModule settings as
+written (float32 master, bf16-mixed, GRPO, mini-batches, rollout_batch_size...) inside
+Lightning's ``fit``. Random weights never stop early, so every rollout runs to the token cap (the
+worst case; EOS is ignored so that holds exactly). The verifier is replaced by a deterministic
+coin on the completion's text (math-verify needs no GPU time, and random text is never right:
+the coin gives GRPO groups mixed rewards, so the update does real work).
+
+    python benchmarks/train_step.py --config configs/rlvr/qwen3_4b_tandem.yaml \
+        --tokenizer ../shared/models/qwen3-tokenizer \
+        --problems ../shared/data/deepscaler/train/deepscaler_subset_803.json
+    python benchmarks/train_step.py --device cpu --tiny          # CI-sized check of this script
+    python benchmarks/train_step.py --config configs/rlvr/qwen35_9b_2b_tandem.yaml --estimate-only
+
+Per step it prints rollout and update seconds, rollout tokens/s, the decode step against the bf16
+roofline (bytes one step must read: the decoded weights of both models + their KV caches at the
+mean length, over the copy bandwidth measured in the same run), the engine's setup (cache
+allocation + graph capture), the rollout-vs-train log-prob gap and peak memory; then the plain
+GRPO arm (SoloHandoff, no junior: configs/rlvr/qwen3_4b_grpo.yaml) with the same shapes. The
+first two steps of each arm are short warm-ups (Triton compilation, cuBLAS init, pinned host
+buffers for the optimizer offload) and are not reported.
+Last line: ``tandem_over_grpo_step=<ratio> ideal=<ratio> peak_gb=<x>``, where ideal applies the
+decode-bytes ratio (tandem over solo) to GRPO's rollout time and keeps its update time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import shutil
+import sys
+import tempfile
+import time
+import zlib
+from pathlib import Path
+
+import lightning as L
+import torch
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rollout import copy_bandwidth  # noqa: E402  (benchmarks/rollout.py: the same roofline inputs)
+
+from tandem_lit.data.base import PromptDataModule  # noqa: E402
+from tandem_lit.memory import GIB  # noqa: E402
+from tandem_lit.verifiers.base import Grade, Verifier  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Architectures of the hub models the configs name (their config.json values that matter here)
+QWEN3 = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_act="silu",
+             rms_norm_eps=1e-6, max_position_embeddings=40960, bos_token_id=151643, eos_token_id=151645,
+             tie_word_embeddings=True, attention_bias=False, head_dim=128)
+SHAPES = {
+    "Qwen/Qwen3-4B-Instruct-2507": dict(QWEN3, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                                        num_attention_heads=32, num_key_value_heads=8, rope_theta=5_000_000.0),
+    "Qwen/Qwen3-1.7B": dict(QWEN3, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                            num_attention_heads=16, num_key_value_heads=8, rope_theta=1_000_000.0),
+    # Qwen3.5 text models (hybrid: Gated DeltaNet + full attention): transformers' Qwen3_5TextConfig
+    # defaults are the 9B; the 2B values are ASSUMED (not published where we could read them)
+    "Qwen/Qwen3.5-9B": dict(model_type="qwen3_5_text", architectures=["Qwen3_5ForCausalLM"]),
+    "Qwen/Qwen3.5-2B": dict(model_type="qwen3_5_text", architectures=["Qwen3_5ForCausalLM"], hidden_size=2048,
+                            intermediate_size=6144, num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2,
+                            tie_word_embeddings=True),
+}
+
+
+class CoinVerifier(Verifier):
+    """A deterministic coin on the completion text: mixed rewards for random models, no grading cost."""
+
+    def grade(self, completion: str, **columns) -> Grade:
+        heads = zlib.crc32(completion.encode()) % 2 == 1
+        return Grade(correct=heads, reward=float(heads))
+
+
+class ProblemRows(PromptDataModule):
+    """Math rows (prompt + boxed-answer instruction) from a DeepScaleR-style JSON list."""
+
+    def __init__(self, problems: str, **kwargs):
+        super().__init__(**kwargs)
+        self.problems = problems
+
+    def load_split(self, split):
+        from tandem_lit.data.base import read_records
+        from tandem_lit.data.math import BOXED_INSTRUCTION, math_row
+
+        records = read_records(self.problems)
+        return [math_row(r, "deepscaler", self.problems, i, BOXED_INSTRUCTION) for i, r in enumerate(records)]
+
+
+def model_folder(hub_name: str, tokenizer: str, root: Path) -> str:
+    """A folder with the architecture's config.json and the real tokenizer (random weights)."""
+    folder = root / hub_name.replace("/", "__")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(SHAPES[hub_name]))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(tokenizer) / name, folder / name)
+    return str(folder)
+
+
+def build_module(model_args: dict, arm: str, args, root: Path):
+    """TandemModule from the config's ``model`` section (jsonargparse, as the CLI reads it) with
+    the benchmark's overrides; ``arm`` grpo turns the handoff solo and drops the junior."""
+    from jsonargparse import ArgumentParser
+
+    import tandem_lit.objectives  # noqa: F401  (short class_path names, as in the CLI)
+    import tandem_lit.rollout  # noqa: F401
+    from tandem_lit.module import TandemModule
+
+    init = copy.deepcopy(model_args)
+    init.pop("verifier")
+    if not args.tiny:
+        for role in ("senior", "junior"):
+            if init.get(role):
+                init[role] = dict(init[role], path=model_folder(init[role]["path"], args.tokenizer, root), random_init=True)
+    init["sampling"] = dict(init.get("sampling") or {}, ignore_eos=True)
+    for key, value in (("n", args.n), ("max_new_tokens", args.max_new_tokens)):
+        if value is not None:
+            init["sampling"][key] = value
+    for key in ("rollout_batch_size", "micro_batch_size", "mini_batch_size"):
+        if getattr(args, key) is not None:
+            init[key] = getattr(args, key)
+    if args.lora:
+        init["lora"] = {"r": args.lora, "alpha": 2 * args.lora, "dropout": 0.0}
+    memory = dict(init.get("memory") or {})
+    memory.update({k: v for k, v in (("offload_optimizer", args.offload_optimizer),
+                                     ("gradient_checkpointing", args.gradient_checkpointing),
+                                     ("micro_batch_tokens", args.micro_batch_tokens),
+                                     ("release_rollout_caches", args.release_rollout_caches)) if v is not None})
+    init["memory"] = memory
+    if args.rollout_dtype:
+        init["engine"] = {"class_path": "FastEngine" if not args.hf_engine else "HFEngine",
+                          "init_args": {"rollout_dtype": args.rollout_dtype}}
+    init.update(evaluate_at_start=False, eval_modes=["senior"], completions_every_n_steps=0)
+    if arm == "grpo":
+        init["handoff"] = {"class_path": "SoloHandoff", "init_args": {"author": "senior"}}
+        init.pop("junior", None)
+        init.pop("test_handoff", None)
+        init.pop("eval_handoff", None)
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(TandemModule, "model", skip={"verifier"}, instantiate=False)
+    instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes  # renamed in jsonargparse 4.49
+    namespace = instantiate(parser.parse_object({"model": init}))
+    kwargs = {k: v for k, v in vars(namespace.model).items() if not k.startswith("__")}
+    return TandemModule(verifier=CoinVerifier(), **kwargs)
+
+
+class StepReport(L.Callback):
+    """Times each training step and reports it as soon as it ends (Lightning's teardown after
+    ``fit`` moves tens of GB to the host: a time limit there must not lose the numbers). The first
+    ``warmup`` steps run at ``warmup_tokens`` (Triton compilation, cuBLAS init, and the offload's
+    pinned host buffers, allocated once at the first rollout after an update) and are not reported."""
+
+    def __init__(self, arm: str, warmup: int, warmup_tokens: int, bandwidth: float, prompts: int):
+        self.arm, self.warmup, self.warmup_tokens, self.bandwidth, self.prompts = arm, warmup, warmup_tokens, bandwidth, prompts
+        self.steps: list[dict] = []
+        self.full_tokens = None
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if self.full_tokens is None:
+            self.full_tokens = module.sampling.max_new_tokens
+        module.sampling.max_new_tokens = self.warmup_tokens if batch_idx < self.warmup else self.full_tokens
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        self.started = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - self.started
+        if batch_idx >= self.warmup:
+            self.report(module, seconds)
+
+    def report(self, module, seconds: float) -> None:
+        row = module.history[-1]
+        tokens = row["train/response_length"] * self.prompts * module.sampling.n
+        step = {
+            "step_seconds": seconds,
+            "rollout_seconds": row["train/rollout_seconds"],
+            "update_seconds": row["train/update_seconds"],
+            "rollout_tokens_per_second": tokens / row["train/rollout_seconds"],
+            "setup_seconds": row.get("train/rollout_setup_seconds", float("nan")),
+            "prefill_seconds": row.get("train/rollout_prefill_seconds", float("nan")),
+            "decode_step_ms": row.get("train/decode_step_ms", float("nan")),
+            "logp_gap_mean": row.get("train/rollout_logp_gap_mean", float("nan")),
+            "logp_gap_max": row.get("train/rollout_logp_gap_max", float("nan")),
+            "peak_gb": row.get("train/peak_memory_gb", float("nan")),
+            "offload_seconds": row.get("train/optimizer_offload_seconds", 0.0),
+            "response_length": row["train/response_length"],
+            "prompt_width": row.get("train/rollout_prompt_width", float("nan")),
+        }
+        step["roofline_ms"] = 1000 * decode_bytes(module, step["prompt_width"]) / self.bandwidth
+        step["decode_roofline_share"] = step["roofline_ms"] / step["decode_step_ms"]
+        self.steps.append(step)
+        print(f"{self.arm:>7} step {len(self.steps)}: {seconds:7.1f} s = rollout {step['rollout_seconds']:6.1f} s "
+              f"(setup {step['setup_seconds']:.2f}, prefill {step['prefill_seconds']:.2f}, decode "
+              f"{step['decode_step_ms']:.2f} ms/step = {step['decode_roofline_share']:.0%} of roofline "
+              f"{step['roofline_ms']:.2f} ms; {step['rollout_tokens_per_second']:,.0f} tok/s; optimizer offload "
+              f"{step['offload_seconds']:.1f} s) + update {step['update_seconds']:6.1f} s; logp gap mean "
+              f"{step['logp_gap_mean']:.4f} max {step['logp_gap_max']:.3f}; peak {step['peak_gb']:.1f} GiB", flush=True)
+
+
+def decode_bytes(module, prompt_width: float) -> float:
+    """Bytes one decode step reads at the mean length: decoded weights of both models + KV caches."""
+    from tandem_lit.memory import ModelShape
+
+    engine = module.engine
+    sequences = min(module.rollout_batch_size or 10**9, module.trainer.datamodule.batch_size * module.sampling.n)
+    mean_length = prompt_width + module.sampling.max_new_tokens / 2
+    total = 0.0
+    models = [engine.senior] + ([engine.junior] if engine.junior is not None and module.handoff.only_author is None else [])
+    for model in models:
+        params = {id(p): p for p in model.parameters()}.values()
+        dtype_bytes = next(iter(params)).element_size()
+        total += sum(p.numel() * p.element_size() for p in params)
+        total += sequences * mean_length * ModelShape.of(model).kv_bytes_per_token(dtype_bytes)
+    return total
+
+
+def run_arm(arm: str, model_args: dict, trainer_args: dict, args, root: Path, bandwidth: float) -> dict:
+    module = build_module(model_args, arm, args, root)
+    data = ProblemRows(args.problems, batch_size=args.prompts, seed=0)
+    report = StepReport(arm, args.warmup_steps, min(32, module.sampling.max_new_tokens), bandwidth, args.prompts)
+    updates_per_step = -(-args.prompts // (module.mini_batch_size or args.prompts))
+    trainer = L.Trainer(
+        accelerator=args.device if args.device == "cpu" else "gpu", devices=1, precision=trainer_args.get("precision", "32-true"),
+        max_steps=(args.warmup_steps + args.steps) * updates_per_step, logger=False, enable_checkpointing=False, limit_val_batches=0,
+        num_sanity_val_steps=0, enable_progress_bar=False, enable_model_summary=False, callbacks=[report],
+        default_root_dir=str(root / arm),
+    )
+    trainer.fit(module, datamodule=data)
+    estimate = module.estimated_memory or module.memory_estimate(prompts_per_step=args.prompts)  # made at fit start on GPU
+    print(f"{arm:>7} memory estimate: {estimate.table()} (peak {estimate.peak / GIB:.1f} GiB)")
+    result = {"arm": arm, "steps": report.steps, "estimate_peak_gb": estimate.peak / GIB, "estimate": estimate.table(),
+              "engine": type(module.engine).__name__,
+              "rollout_dtype": str(next(module.engine.senior.parameters()).dtype)}
+    del module, trainer
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def estimate_only(model_args: dict, trainer_args: dict, args, root: Path) -> None:
+    """The memory estimate of the config's step on a GPU, from shapes alone (models on the meta
+    device, rollouts in bf16 as on a GPU)."""
+    with torch.device("meta"):
+        module = build_module(model_args, "tandem", args, root)
+        module.configure_model()
+    estimate = module.memory_estimate(
+        prompts_per_step=args.prompts, mixed_precision="mixed" in str(trainer_args.get("precision")), decode_dtype=torch.bfloat16,
+    )
+    print(f"estimate: {estimate.table()}")
+    print(f"peak_gb={estimate.peak / GIB:.1f} fits_h200={estimate.peak <= 139 * GIB}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=str(REPO / "configs/rlvr/qwen3_4b_tandem.yaml"))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--tiny", action="store_true", help="the tiny test models and the GSM8K sample (CPU check)")
+    parser.add_argument("--tokenizer", default=str(REPO.parent / "shared/models/qwen3-tokenizer"))
+    parser.add_argument("--problems", default=str(REPO.parent / "shared/data/deepscaler/train/deepscaler_subset_803.json"))
+    parser.add_argument("--arms", nargs="+", default=["tandem", "grpo"], choices=["tandem", "grpo"])
+    parser.add_argument("--steps", type=int, default=1, help="measured steps per arm")
+    parser.add_argument("--warmup-steps", type=int, default=2, help="short unreported steps first (32 tokens)")
+    parser.add_argument("--prompts", type=int, default=None, help="prompts per step (default: the config's data batch_size)")
+    parser.add_argument("--n", type=int, default=None, help="rollouts per prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=None)
+    parser.add_argument("--rollout-batch-size", type=int, default=None)
+    parser.add_argument("--micro-batch-size", type=int, default=None)
+    parser.add_argument("--mini-batch-size", type=int, default=None)
+    parser.add_argument("--micro-batch-tokens", type=int, default=None)
+    parser.add_argument("--lora", type=int, default=None, help="train LoRA adapters of this rank")
+    parser.add_argument("--offload-optimizer", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--release-rollout-caches", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--rollout-dtype", default=None, help="the engine's rollout_dtype (default: the config's engine)")
+    parser.add_argument("--hf-engine", action="store_true", help="with --rollout-dtype: HFEngine instead of FastEngine")
+    parser.add_argument("--estimate-only", action="store_true")
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args()
+
+    config = yaml.safe_load(Path(args.config).read_text())
+    model_args, trainer_args = config["model"]["init_args"], config.get("trainer", {})
+    if args.tiny:
+        args.device = "cpu"
+        model_args = dict(model_args, senior={"path": "configs/tiny/senior", "random_init": True, "dtype": "float32"},
+                          junior={"path": "configs/tiny/junior", "random_init": True, "dtype": "float32", "init_seed": 1},
+                          prompt_format={"chat_template": False}, max_prompt_tokens=None)
+        trainer_args = {"precision": "32-true"}
+        args.problems = str(REPO / "data/gsm8k-sample/train.jsonl")
+        args.prompts = args.prompts or 2
+        args.n = args.n or 2
+        args.max_new_tokens = args.max_new_tokens or 8
+    args.prompts = args.prompts or config.get("data", {}).get("init_args", {}).get("batch_size", 16)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        if args.estimate_only:
+            estimate_only(model_args, trainer_args, args, root)
+            return
+        bandwidth = copy_bandwidth(args.device) if args.device == "cuda" else float("nan")
+        name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+        print(f"# {args.config} on {name}; copy bandwidth {bandwidth / 1e12:.2f} TB/s; {args.prompts} prompts x "
+              f"n={args.n or model_args['sampling']['n']} x {args.max_new_tokens or model_args['sampling']['max_new_tokens']} "
+              f"tokens; lora={args.lora}", flush=True)
+        results = {arm: run_arm(arm, model_args, trainer_args, args, root, bandwidth) for arm in args.arms}
+    if args.json:
+        Path(args.json).write_text(json.dumps({"config": args.config, "device": name, "bandwidth": bandwidth,
+                                               "args": vars(args), "arms": results}, indent=2))
+    peak = max(s["peak_gb"] for r in results.values() for s in r["steps"])
+    if set(results) == {"tandem", "grpo"}:
+        tandem, grpo = (min(results[a]["steps"], key=lambda s: s["step_seconds"]) for a in ("tandem", "grpo"))
+        bytes_ratio = tandem["roofline_ms"] / grpo["roofline_ms"]
+        ideal = (grpo["rollout_seconds"] * bytes_ratio + grpo["update_seconds"]) / (grpo["rollout_seconds"] + grpo["update_seconds"])
+        print(f"tandem_over_grpo_step={tandem['step_seconds'] / grpo['step_seconds']:.2f} ideal={ideal:.2f} peak_gb={peak:.1f}")
+    else:
+        arm = next(iter(results.values()))
+        print(f"{arm['arm']}_step_seconds={min(s['step_seconds'] for s in arm['steps']):.1f} peak_gb={peak:.1f}")
+
+
+if __name__ == "__main__":
+    main()
