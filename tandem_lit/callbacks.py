@@ -5,7 +5,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
+import signal
+import sys
+import threading
 import time
+import uuid
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +20,9 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import SaveConfigCallback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from tandem_lit.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -26,9 +35,41 @@ PLOTS = {
 }
 
 
+CHECKPOINT_READ_ERRORS = (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError)
+
+
+def unreadable_checkpoint(path, err: BaseException) -> ConfigError:
+    others = sorted(p.name for p in Path(path).parent.glob("*.ckpt") if p != Path(path))
+    return ConfigError(
+        f"checkpoint {path} cannot be read ({str(err).splitlines()[0][:120]}): it is truncated or not a "
+        f"tandem-lit checkpoint. Resume from another one{' (' + ', '.join(others) + ')' if others else ''}, "
+        "or leave --ckpt_path out to start a new run."
+    )
+
+
+def check_checkpoint(path: str) -> None:
+    """A checkpoint to resume from exists and its index reads (memory-mapped: no tensor is read)."""
+    if not Path(path).expanduser().is_file():
+        raise ConfigError(
+            f"--ckpt_path {path} does not exist. Resume from <run folder>/checkpoints/last.ckpt, or leave "
+            "--ckpt_path out to start a new run."
+        )
+    try:
+        torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except CHECKPOINT_READ_ERRORS as err:
+        raise unreadable_checkpoint(path, err) from None
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Write the checkpoint beside its target, fsync, then rename over it: a crash leaves either
-    the old file or the new one, never a torn file (Lightning's own path may copy from /tmp)."""
+    the old file or the new one, never a torn file (Lightning's own path may copy from /tmp).
+    A file that cannot be read back (truncated, not a checkpoint) is a one-line error."""
+
+    def load_checkpoint(self, path, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        try:
+            return super().load_checkpoint(path, *args, **kwargs)
+        except CHECKPOINT_READ_ERRORS as err:
+            raise unreadable_checkpoint(path, err) from None
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any = None) -> None:
         if storage_options is not None:
@@ -47,12 +88,86 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 class ResumeCheckpoint(ModelCheckpoint):
-    """Checkpoints to resume from: ``last.ckpt`` every ``every_n_train_steps`` updates and once
-    more when training ends, so the final weights are never lost between two periodic saves."""
+    """Checkpoints to resume from: ``last.ckpt`` every ``every_n_train_steps`` updates, once more
+    when training ends, and when a signal stops it (``GracefulStop``), so the weights of the last
+    finished update are never lost between two periodic saves."""
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.save_last_now(trainer)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if isinstance(exception, SIGTERMException):  # the step finished: its state is consistent
+            self.save_last_now(trainer)
+
+    def save_last_now(self, trainer: L.Trainer) -> None:
         if self.save_last and self._last_global_step_saved != trainer.global_step:
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+
+class GracefulStop(L.Callback):
+    """Ctrl-C (SIGINT) and SIGTERM stop training at the end of the current step: the first signal
+    asks Lightning to stop at the step boundary (its SIGTERM path), where ``ResumeCheckpoint``
+    saves ``last.ckpt`` and ``RunReport`` writes history, summary and plots; a second Ctrl-C
+    stops at once. ``tandem-lit`` then exits with 128 + the signal number."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous = None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # SIGTERM needs nothing of ours: Lightning's handler already stops at the step boundary.
+        # (Installed here, after Lightning saved the process's handlers, which it restores at the end.)
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, lambda signum, frame: self._interrupt(trainer, signum))
+
+    def _interrupt(self, trainer: L.Trainer, signum: int) -> None:
+        if trainer.received_sigterm:  # the second Ctrl-C: stop now
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt
+        self.signum = signum
+        trainer._signal_connector.received_sigterm = True  # Lightning's stop-at-the-step-boundary flag
+        print("\ntandem-lit: stopping after this step (it will be saved); Ctrl-C again to stop now", file=sys.stderr)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._restore()
+        if isinstance(exception, SIGTERMException):
+            exception.signum = int(self.signum or signal.SIGTERM)
+            checkpoint = getattr(trainer.checkpoint_callback, "dirpath", None)
+            where = f" Resume with --ckpt_path {Path(checkpoint) / 'last.ckpt'}." if checkpoint else ""
+            print(f"tandem-lit: stopped by a signal after update {trainer.global_step}; the run is saved.{where}", file=sys.stderr)
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        if self._previous is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+
+RUN_RECORD = "run.json"
+
+
+def read_run_record(folder: Path) -> dict[str, Any]:
+    """The run folder's ``run.json`` (run id, MLflow run id), or {} when there is none."""
+    path = Path(folder) / RUN_RECORD
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def start_run_record(trainer: L.Trainer, run_id: str | None) -> str:
+    """This run's id (kept across resumes: the checkpoint carries it), written to ``run.json`` with
+    the MLflow run id, so that a resume continues the same MLflow run."""
+    loggers = mlflow_loggers(trainer)
+    mlflow_id = loggers[0].run_id if loggers else None
+    run_id = run_id or mlflow_id or uuid.uuid4().hex
+    if trainer.is_global_zero:
+        folder = Path(trainer.default_root_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / RUN_RECORD).write_text(json.dumps({"run_id": run_id, "mlflow_run_id": mlflow_id}) + "\n")
+    return run_id
 
 
 def mlflow_loggers(trainer: L.Trainer) -> list:
@@ -135,6 +250,13 @@ class RunReport(L.Callback):
         self.started = time.perf_counter()
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.write(trainer, pl_module)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if isinstance(exception, SIGTERMException):  # a graceful stop: the run so far gets its report
+            self.write(trainer, pl_module)
+
+    def write(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.is_global_zero:
             return
         folder = Path(trainer.default_root_dir)
@@ -149,7 +271,8 @@ class RunReport(L.Callback):
             span = first_and_last(history, metric)
             summary[metric] = {"first": round(span[0], 4), "last": round(span[1], 4)}
         (folder / "summary.json").write_text(json.dumps(summary, indent=2))
-        (folder / "history.jsonl").write_text("".join(json.dumps(row) + "\n" for row in history))
+        run_id = getattr(pl_module, "run_id", None)
+        (folder / "history.jsonl").write_text("".join(json.dumps({"run_id": run_id, **row}) + "\n" for row in history))
         print(format_summary(summary))
         for path in plots:
             log_artifact(trainer, path, "plots")

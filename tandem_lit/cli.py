@@ -20,14 +20,24 @@ from jsonargparse import Namespace
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 import tandem_lit.data  # noqa: F401  (short class_path names)
 import tandem_lit.objectives  # noqa: F401
 import tandem_lit.rollout  # noqa: F401
 import tandem_lit.verifiers  # noqa: F401
-from tandem_lit.callbacks import AtomicCheckpointIO, ResumeCheckpoint, RunReport, SaveConfigToRun
+from tandem_lit.callbacks import (
+    RUN_RECORD,
+    AtomicCheckpointIO,
+    GracefulStop,
+    ResumeCheckpoint,
+    RunReport,
+    SaveConfigToRun,
+    check_checkpoint,
+    read_run_record,
+)
 from tandem_lit.data.base import PromptDataModule
-from tandem_lit.errors import TandemLitError
+from tandem_lit.errors import ConfigError, TandemLitError
 from tandem_lit.module import TandemModule
 
 TRAINER_DEFAULTS = {
@@ -55,27 +65,46 @@ class TandemCLI(LightningCLI):
         parser.add_lightning_class_args(ResumeCheckpoint, "checkpoint")
         parser.set_defaults({"checkpoint.save_last": True, "checkpoint.save_top_k": 0, "checkpoint.every_n_train_steps": 50})
 
+    def _parse_ckpt_path(self) -> None:
+        """Lightning loads the whole checkpoint here to read hyperparameters (tens of GB for a 4B
+        senior with its AdamW state). tandem-lit saves none (the run's config.yaml is the record),
+        so only check that the file is there and readable, without reading its tensors."""
+        subcommand = self.config.get("subcommand")
+        path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if path:
+            check_checkpoint(path)
+
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
         root = Path(config.trainer.default_root_dir).expanduser().resolve()
+        resume = config.get("ckpt_path")
+        if self.subcommand == "fit" and not resume:
+            root = unused_run_folder(root)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ConfigError(
+                f"cannot create the run folder {root}: {err.strerror or err}. Set --trainer.default_root_dir to a "
+                "writable folder."
+            ) from None
         config.trainer.default_root_dir = str(root)
         for section in ("checkpoint", "best_checkpoint"):
             if section in config and config[section].dirpath is None:
                 config[section].dirpath = str(root / "checkpoints")
         if config.trainer.logger is None:  # not set by the user: a local MLflow store in the run folder
-            root.mkdir(parents=True, exist_ok=True)
-            config.trainer.logger = Namespace(
-                class_path="lightning.pytorch.loggers.MLFlowLogger",
-                init_args=Namespace(
-                    experiment_name="tandem-lit",
-                    tracking_uri=f"sqlite:///{root / 'mlflow.db'}",
-                    artifact_location=(root / "mlartifacts").as_uri(),
-                    run_name=root.name,
-                ),
+            init_args = Namespace(
+                experiment_name="tandem-lit",
+                tracking_uri=f"sqlite:///{root / 'mlflow.db'}",
+                artifact_location=(root / "mlartifacts").as_uri(),
+                run_name=root.name,
             )
+            earlier = read_run_record(root) if resume and self.subcommand == "fit" else {}
+            if earlier.get("mlflow_run_id"):  # a resumed run continues its MLflow run
+                init_args.run_id = earlier["mlflow_run_id"]
+            config.trainer.logger = Namespace(class_path="lightning.pytorch.loggers.MLFlowLogger", init_args=init_args)
 
     def instantiate_trainer(self, **kwargs):
-        kwargs.setdefault("callbacks", [])
+        # (no callbacks= here: that would replace the user's --trainer.callbacks)
         trainer = super().instantiate_trainer(**kwargs)
         best = self._get(self.config_init, "best_checkpoint")
         if best is not None and best.monitor is None:  # no metric to select by: no best checkpoint
@@ -84,6 +113,8 @@ class TandemCLI(LightningCLI):
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         if not any(isinstance(c, RunReport) for c in trainer.callbacks):
             trainer.callbacks.append(RunReport())
+        if not any(isinstance(c, GracefulStop) for c in trainer.callbacks):
+            trainer.callbacks.append(GracefulStop())
         return trainer
 
 
@@ -106,6 +137,27 @@ def build_cli(args: list[str] | None = None) -> TandemCLI:
     )
 
 
+def unused_run_folder(root: Path) -> Path:
+    """``root`` if it holds no earlier run, else the first free ``<root>-2``, ``<root>-3``, ... (said
+    once): a new run never mixes its checkpoints, logs and completions with an earlier one's."""
+    def used(folder: Path) -> bool:
+        checkpoints = folder / "checkpoints"
+        return (folder / RUN_RECORD).exists() or (checkpoints.is_dir() and any(checkpoints.iterdir()))
+
+    if not used(root):
+        return root
+    version = 2
+    while used(root.with_name(f"{root.name}-{version}")):
+        version += 1
+    fresh = root.with_name(f"{root.name}-{version}")
+    print(
+        f"tandem-lit: {root} holds an earlier run; this run writes to {fresh}. To continue the earlier run, pass "
+        f"--ckpt_path {root / 'checkpoints' / 'last.ckpt'}.",
+        file=sys.stderr,
+    )
+    return fresh
+
+
 def main(args: list[str] | None = None) -> None:
     """The ``tandem-lit`` console command; tests call ``main(args=[...])``.
 
@@ -113,6 +165,8 @@ def main(args: list[str] | None = None) -> None:
     """
     try:
         build_cli(args)
+    except SIGTERMException as err:  # a graceful stop: GracefulStop saved the run and said so
+        raise SystemExit(128 + int(getattr(err, "signum", 15))) from None
     except Exception as err:
         cause = user_error(err)
         if cause is None or os.environ.get("TANDEM_LIT_TRACEBACK"):

@@ -23,7 +23,7 @@ from tandem_lit.evaluation import DatasetTally, flat_metrics, summarize, write_r
 from tandem_lit.metrics import pass_at_k
 from tandem_lit.results import RolloutResult
 from tandem_lit.rollout.handoff import HandoffPolicy, SoloHandoff
-from tandem_lit.rollout.record import Rollout
+from tandem_lit.rollout.record import Author, Rollout
 
 log = logging.getLogger(__name__)
 
@@ -115,9 +115,11 @@ class EvaluationSteps:
         if self.junior is not None:
             handoff = self.rollout(batch, self.test_handoff, self.test_sampling, key)
             self._tally(tally, handoff, handoff=True)
-            nll, tokens = self.partner_cross_entropy(solo.rollout)
+            prompts = [row["prompt"] for row in batch for _ in range(self.test_sampling.n)]
+            nll, tokens, chars = self.partner_cross_entropy(solo.rollout, prompts)
             tally.partner_nll += nll
             tally.partner_tokens += tokens
+            tally.partner_chars += chars
 
     def _tally(self, tally: DatasetTally, result: RolloutResult, handoff: bool) -> None:
         n = self.test_sampling.n
@@ -127,9 +129,14 @@ class EvaluationSteps:
         (tally.handoff_truncated if handoff else tally.solo_truncated).extend(result.rollout.truncated.tolist())
 
     @torch.no_grad()
-    def partner_cross_entropy(self, rollout: Rollout) -> tuple[float, int]:
+    def partner_cross_entropy(self, rollout: Rollout, prompts: list[str]) -> tuple[float, int, int]:
         """Legibility: the partner's summed negative log-likelihood of the model's solo text
-        (temperature 1, teacher-forced) and the number of tokens it covers."""
+        (temperature 1, teacher-forced), the partner tokens it covers, and the characters of that
+        text. A partner with a tokenizer of its own reads the text in its own tokens (and the
+        prompts, one per row, in its own chat template): the per-token figure is per *partner*
+        token, and the per-character one compares pairs whose tokenizers differ."""
+        if self.partner_has_own_tokenizer():
+            rollout = self.partner_tokens(rollout, prompts)
         rows = torch.arange(rollout.completion_ids.shape[0], device=self.device)
         total, tokens = 0.0, 0
         for m in rows.split(self.micro_batch_size):
@@ -138,7 +145,35 @@ class EvaluationSteps:
             mask = part.completion_mask
             total += float(-(logp * mask).sum())
             tokens += int(mask.sum())
-        return total, tokens
+        return total, tokens, sum(len(text) for text in rollout.texts)
+
+    def partner_has_own_tokenizer(self) -> bool:
+        partner = self.junior_tokenizer
+        return partner is not None and partner is not self.tokenizer and partner.get_vocab() != self.tokenizer.get_vocab()
+
+    def partner_tokens(self, rollout: Rollout, prompts: list[str]) -> Rollout:
+        """The same solutions as the partner reads them: its prompts, the text in its tokens, and
+        its end token where the solution ended."""
+        tokenizer = self.junior_tokenizer
+        encoded = self.encode_prompts(prompts, tokenizer)
+        end = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        ids = [
+            tokenizer(text, add_special_tokens=False)["input_ids"] + (end if finished else [])
+            for text, finished in zip(rollout.texts, rollout.finished.tolist())
+        ]
+        width = max(1, max(len(row) for row in ids))
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        device = self.device
+        completion = torch.tensor([row + [pad] * (width - len(row)) for row in ids], device=device)
+        author = torch.tensor(
+            [[int(Author.SENIOR)] * len(row) + [int(Author.PAD)] * (width - len(row)) for row in ids],
+            dtype=torch.int8, device=device,
+        )
+        zeros = torch.zeros(len(ids), dtype=torch.long, device=device)
+        return Rollout(
+            encoded["input_ids"].to(device), encoded["attention_mask"].to(device), completion, author,
+            rollout.finished.to(device), rollout.truncated.to(device), zeros, zeros, zeros, texts=list(rollout.texts),
+        )
 
     def on_test_epoch_start(self) -> None:
         self._test_tallies = {}

@@ -6,7 +6,8 @@ writes first, one shared token budget), then reports per set and macro-averaged:
 
 - solo and handoff pass@k (unbiased estimator) and their ratio,
 - truncation rate and mean length of both,
-- legibility: the partner's mean per-token cross-entropy (nats) on the model's solo solutions.
+- legibility: the partner's mean cross-entropy (nats) on the model's solo solutions, per partner
+  token and per character (the one to compare pairs whose tokenizers differ).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ class DatasetTally:
     solo_truncated: list[bool] = field(default_factory=list)
     handoff_truncated: list[bool] = field(default_factory=list)
     partner_nll: float = 0.0  # summed over the solo solutions' tokens
-    partner_tokens: int = 0
+    partner_tokens: int = 0  # in the partner's own tokens
+    partner_chars: int = 0  # characters of those solutions' text
 
     def pass_at(self, k: int, handoff: bool) -> float:
         counts = self.handoff_correct if handoff else self.solo_correct
@@ -59,6 +61,7 @@ def summarize(tallies: dict[str, DatasetTally], ks: list[int]) -> dict:
         row["solo_mean_length"] = _mean(tally.solo_lengths)
         row["handoff_mean_length"] = _mean(tally.handoff_lengths)
         row["legibility_nats"] = tally.partner_nll / tally.partner_tokens if tally.partner_tokens else float("nan")
+        row["legibility_nats_per_char"] = tally.partner_nll / tally.partner_chars if tally.partner_chars else float("nan")
         report["datasets"][name] = row
     keys = sorted({k for row in report["datasets"].values() for k in row if k not in ("problems", "n")})
     for key in keys:
@@ -79,12 +82,13 @@ def flat_metrics(report: dict, prefix: str = "test") -> dict[str, float]:
 
 def markdown_table(report: dict, ks: list[int]) -> str:
     """Pass@k in %, the handoff/solo ratio at the largest k measured, truncation in %, length in
-    tokens, legibility in nats per token."""
+    tokens, legibility in nats per partner token and per character."""
     measured = [k for k in ks if f"solo_pass@{k}" in report["macro"]]
     columns = [f"solo_pass@{k}" for k in measured] + [f"handoff_pass@{k}" for k in measured]
     if measured:
         columns.append(f"handoff_solo_ratio@{measured[-1]}")
-    columns += ["solo_truncation_rate", "handoff_truncation_rate", "solo_mean_length", "legibility_nats"]
+    columns += ["solo_truncation_rate", "handoff_truncation_rate", "solo_mean_length", "legibility_nats",
+                "legibility_nats_per_char"]
     header = "| set | problems | " + " | ".join(columns) + " |"
     lines = [header, "|" + "---|" * (len(columns) + 2)]
     rows = [*report["datasets"].items(), ("**macro**", {**report["macro"], "problems": ""})]

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from tandem_lit.errors import ModelSourceError
+from tandem_lit.paths import looks_local, missing_path_message
 
 log = logging.getLogger(__name__)
 
@@ -85,10 +86,8 @@ def resolve(path: str) -> str:
     expanded = os.path.expanduser(path)
     if os.path.exists(expanded):
         return expanded
-    if path.startswith((".", "/", "~")) or path.count("/") > 1 or os.sep == "\\" and "\\" in path:
-        raise ModelSourceError(
-            f"model path {path!r} does not exist. Give an existing local folder or a hub name like 'org/model'."
-        )
+    if looks_local(path):
+        raise ModelSourceError(missing_path_message(path, "model path"))
     return path
 
 

@@ -180,6 +180,7 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         self._engine_version = 0
         self.rollout_timing: dict[str, float] = {}  # the engine's phase times, summed over this step's calls
         self.estimated_memory = None  # MemoryEstimate of a step, made when fit starts on a GPU
+        self.run_id: str | None = None  # set when fit starts; kept by checkpoints across resumes
         self.max_grad_norm = max_grad_norm
         self.max_prompt_tokens = max_prompt_tokens
         self.overlong = overlong or OverlongPolicy()
@@ -262,6 +263,15 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         return self.engine
 
     def on_fit_start(self) -> None:
+        if self.objective.group_relative and self.sampling.n < 2:
+            raise ConfigError(
+                f"{type(self.objective).__name__} compares the rollouts of each prompt, and sampling.n is "
+                f"{self.sampling.n}: every advantage would be 0 and nothing would train. Set sampling.n >= 2 "
+                "(Tandem RLVR uses 8), or use Reinforce."
+            )
+        from tandem_lit.callbacks import start_run_record
+
+        self.run_id = start_run_record(self.trainer, self.run_id)
         if self.device.type != "cuda":
             return
         self.estimated_memory = self.memory_estimate()
@@ -630,7 +640,7 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         weights are rebuilt from their sources on load."""
         trainable = {f"senior.{n}" for n, p in self.senior.named_parameters() if p.requires_grad}
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
-        checkpoint["tandem_lit"] = {"trainable_keys": sorted(trainable), "history": self.history}
+        checkpoint["tandem_lit"] = {"trainable_keys": sorted(trainable), "history": self.history, "run_id": self.run_id}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         saved = set(checkpoint.get("tandem_lit", {}).get("trainable_keys", []))
@@ -642,6 +652,7 @@ class TandemModule(EvaluationSteps, L.LightningModule):
                 f"(e.g. {sorted(missing)[:3]}); load it with the same senior and lora settings it was trained with"
             )
         self.history = list(checkpoint.get("tandem_lit", {}).get("history", []))
+        self.run_id = checkpoint.get("tandem_lit", {}).get("run_id") or self.run_id
         self._policy_version += 1  # the loaded weights reach the engine's copy before the next rollout
 
     # ---------------------------------------------------------------------------------- logging
@@ -656,6 +667,7 @@ class TandemModule(EvaluationSteps, L.LightningModule):
             for i in range(min(self.completions_per_log, len(result.grades))):
                 spans = result.rollout.spans(i, self.tokenizer)
                 record = {
+                    "run_id": self.run_id,
                     "step": self.global_step,
                     "split": split,
                     "prompt": self.tokenizer.decode(result.rollout.prompt_ids[i][result.rollout.prompt_mask[i].bool()]),

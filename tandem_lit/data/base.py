@@ -168,7 +168,8 @@ class PromptDataModule(L.LightningDataModule):
 
 
 def read_records(path: str | Path) -> list[dict[str, Any]]:
-    """Rows from a JSONL file, a JSON array, or a zip holding one JSONL member."""
+    """Rows from a JSONL file, a JSON array, or a zip holding one JSONL member. A line that is
+    not JSON, or a file with no records, is an error naming the file and the line."""
     path = Path(path)
     if not path.exists():
         raise DataError(f"dataset file {path} does not exist")
@@ -181,15 +182,33 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
                 raise ConfigError(f"{path} should hold one .jsonl/.json member, found {members}")
             text = archive.read(members[0]).decode("utf-8")
             suffix = Path(members[0]).suffix
+            where = f"{path}:{members[0]}"
     else:
         text = path.read_text(encoding="utf-8")
         suffix = path.suffix
+        where = str(path)
     if suffix == ".json" or text.lstrip().startswith("["):
-        records = json.loads(text)
+        records = _parse(text, where, line_offset=0)
         if not isinstance(records, list):
-            raise ConfigError(f"{path} holds a JSON {type(records).__name__}, expected an array of records")
-        return records
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+            raise DataError(f"{where} holds a JSON {type(records).__name__}, expected an array of records")
+    else:
+        records = [_parse(line, where, number) for number, line in enumerate(text.splitlines(), 1) if line.strip()]
+    if not records:
+        raise DataError(f"{where} holds no records: point the source at a file with at least one row")
+    bad = next((i for i, r in enumerate(records) if not isinstance(r, dict)), None)
+    if bad is not None:
+        raise DataError(f"{where}: record {bad + 1} is a JSON {type(records[bad]).__name__}, expected an object of fields")
+    return records
+
+
+def _parse(text: str, where: str, line_offset: int):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        line = line_offset or err.lineno
+        raise DataError(
+            f"{where}, line {line}: not valid JSON ({err.msg}, column {err.colno}); fix or remove that line"
+        ) from None
 
 
 def require_fields(rows: list[dict[str, Any]], fields: list[str], where: str, fix: str) -> None:
@@ -203,7 +222,10 @@ def require_fields(rows: list[dict[str, Any]], fields: list[str], where: str, fi
 def held_out_split(rows: list[dict[str, Any]], size: int, seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(train, held-out): a seeded slice of ``size`` rows kept out of training."""
     if size < 0 or size >= len(rows):
-        raise ConfigError(f"held-out size must be in [0, {len(rows)}), got {size}")
+        raise ConfigError(
+            f"val_size {size} leaves no training rows: the training split has {len(rows)} rows. "
+            f"Set val_size between 0 and {len(rows) - 1}."
+        )
     index = list(range(len(rows)))
     random.Random(seed).shuffle(index)
     held = set(index[:size])

@@ -11,6 +11,7 @@ from typing import Any
 
 from tandem_lit.data.base import PromptDataModule, Split, held_out_split, read_records, require_fields
 from tandem_lit.errors import DataError
+from tandem_lit.paths import looks_local, missing_path_message
 
 
 def load_table(source: str, split: str, hub_config: str | None = None) -> list[dict[str, Any]]:
@@ -23,13 +24,22 @@ def load_table(source: str, split: str, hub_config: str | None = None) -> list[d
         raise DataError(f"dataset folder {path} has no {split}.jsonl or {split}.json")
     if path.is_file():
         return read_records(path)
-    if source.startswith((".", "/", "~")) or source.count("/") > 1:
-        raise DataError(f"dataset path {source} does not exist; give an existing folder/file or a hub name")
+    if looks_local(source):
+        raise DataError(missing_path_message(source, "dataset path"))
     try:
         import datasets
     except ImportError as err:  # a core dependency; only a broken install lands here
         raise ImportError("loading datasets from the hub needs the `datasets` package: pip install datasets") from err
-    return [dict(r) for r in datasets.load_dataset(source, hub_config, split=split)]
+    try:
+        rows = [dict(r) for r in datasets.load_dataset(source, hub_config, split=split)]
+    except (OSError, ValueError, ConnectionError) as err:  # DatasetNotFoundError is a FileNotFoundError
+        raise DataError(
+            f"could not load dataset {source!r} (split {split!r}) from the hub: {str(err).splitlines()[0] if str(err) else type(err).__name__}. "
+            "Check the name and that the hub is reachable, or give a local folder/file."
+        ) from err
+    if not rows:
+        raise DataError(f"dataset {source!r} has no rows in split {split!r}")
+    return rows
 
 
 class GSM8KDataModule(PromptDataModule):

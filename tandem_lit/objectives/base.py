@@ -103,6 +103,8 @@ class Objective(ABC):
 
     #: True when the loss needs log-probs from before the update (importance ratio)
     uses_old_logp: bool = False
+    #: True when advantages compare the rollouts of one prompt (needs sampling.n >= 2)
+    group_relative: bool = False
 
     def __init__(self, junior_weight: float, aggregation: Aggregation = "token-mean", tis_cap: float | None = None):
         if junior_weight < 0:

@@ -60,6 +60,7 @@ class GRPO(Objective):
     """
 
     uses_old_logp = True
+    group_relative = True
 
     def __init__(
         self,

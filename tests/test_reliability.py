@@ -1,0 +1,149 @@
+"""The first hour of a user: bad inputs end in one line, runs never mix, a signal loses nothing.
+
+Everything goes through ``main(args=[...])``, the path of the ``tandem-lit`` command."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import lightning as L
+import pytest
+import torch
+
+from tandem_lit.cli import main
+
+pytestmark = [pytest.mark.filterwarnings("ignore:No seed found"), pytest.mark.usefixtures("in_repo")]
+
+FAST = [
+    "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false", "--trainer.logger", "false",
+    "--trainer.limit_val_batches", "0", "--model.init_args.evaluate_at_start", "false",
+    "--data.init_args.batch_size", "2", "--model.init_args.sampling.n", "2",
+    "--model.init_args.sampling.max_new_tokens", "12", "--model.init_args.completions_every_n_steps", "1",
+    "--checkpoint.every_n_train_steps", "2",
+]
+
+
+def fit(root, *extra: str) -> None:
+    main(args=["fit", "--config", "configs/gsm8k_tiny.yaml", "--trainer.default_root_dir", str(root), *FAST, *extra])
+
+
+def bad_data(tmp, lines: list[str]) -> str:
+    folder = tmp / "data"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text("".join(line + "\n" for line in lines))
+    return str(folder)
+
+
+GOOD_ROW = json.dumps({"question": "What is 1+1?", "answer": "1+1=2\n#### 2"})
+
+BAD_INPUT = {
+    "dataset_path_typo": (lambda tmp: ["--data.init_args.source", "data/gsm8k-sampl"], "Did you mean 'data/gsm8k-sample'"),
+    "malformed_jsonl": (lambda tmp: ["--data.init_args.source", bad_data(tmp, [GOOD_ROW, GOOD_ROW, '{"question": "x",'])],
+                        "train.jsonl, line 3: not valid JSON"),
+    "empty_dataset": (lambda tmp: ["--data.init_args.source", bad_data(tmp, [])], "holds no records"),
+    "val_size_too_large": (lambda tmp: ["--data.init_args.val_size", "1000"], "leaves no training rows"),
+    "grpo_with_one_rollout": (lambda tmp: ["--model.init_args.sampling.n", "1"], "Set sampling.n >= 2"),
+    "unwritable_run_folder": (lambda tmp: ["--trainer.default_root_dir", str(make_file(tmp / "file") / "run")],
+                              "cannot create the run folder"),
+    "missing_ckpt_path": (lambda tmp: ["--ckpt_path", str(tmp / "nope.ckpt")], "does not exist"),
+    "truncated_checkpoint": (lambda tmp: ["--ckpt_path", str(truncated_checkpoint(tmp))], "cannot be read"),
+}
+
+
+def make_file(path):
+    path.write_text("a file, not a folder")
+    return path
+
+
+def truncated_checkpoint(tmp):
+    path = tmp / "last.ckpt"
+    torch.save({"state_dict": {"w": torch.zeros(1000)}}, path)
+    path.write_bytes(path.read_bytes()[:300])
+    return path
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUT))
+def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys, case):
+    make_args, expected = BAD_INPUT[case]
+    args = make_args(tmp_path)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        fit(tmp_path / "run", "--trainer.max_steps", "1", *args)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("tandem-lit: error:")]
+    assert len(errors) == 1, err
+    assert expected in errors[0], errors[0]
+    assert "Traceback" not in err
+
+
+def test_a_second_run_into_a_used_folder_gets_its_own(tmp_path, capsys):
+    root = tmp_path / "run"
+    fit(root, "--trainer.max_steps", "1")
+    first = json.loads((root / "run.json").read_text())["run_id"]
+    capsys.readouterr()
+    fit(root, "--trainer.max_steps", "1")
+    assert f"{root} holds an earlier run; this run writes to {root}-2" in capsys.readouterr().err
+    second = json.loads((tmp_path / "run-2" / "run.json").read_text())["run_id"]
+    assert first != second
+    for folder, run_id in ((root, first), (tmp_path / "run-2", second)):
+        completions = [json.loads(line) for line in (folder / "completions.jsonl").read_text().splitlines()]
+        assert completions and {c["run_id"] for c in completions} == {run_id}
+        assert [c["step"] for c in completions] == [1] * len(completions)  # one run's steps, once
+        history = [json.loads(line) for line in (folder / "history.jsonl").read_text().splitlines()]
+        assert {row["run_id"] for row in history} == {run_id}
+    assert sorted(p.name for p in (root / "checkpoints").iterdir()) == ["last.ckpt"]
+
+
+def test_a_resume_continues_the_same_mlflow_run(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    root = tmp_path / "run"
+    at = FAST.index("--trainer.logger")
+    with_mlflow = FAST[:at] + FAST[at + 2 :]  # the default logger: MLflow in the run folder
+    main(args=["fit", "--config", "configs/gsm8k_tiny.yaml", "--trainer.default_root_dir", str(root), *with_mlflow,
+               "--trainer.max_steps", "2"])
+    main(args=["fit", "--config", "configs/gsm8k_tiny.yaml", "--trainer.default_root_dir", str(root), *with_mlflow,
+               "--trainer.max_steps", "3", "--ckpt_path", str(root / "checkpoints" / "last.ckpt")])
+    client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
+    (experiment,) = [e for e in client.search_experiments() if e.name == "tandem-lit"]
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert run.info.status == "FINISHED"
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
+    assert sorted(steps) == [1, 2, 3]
+    assert json.loads((root / "run.json").read_text())["run_id"] == run.info.run_id
+
+
+class SignalAtStep(L.Callback):
+    """Sends ``signum`` to this process when training step ``step`` (0-based) begins: the first
+    Ctrl-C / SIGTERM of a user, delivered mid-step."""
+
+    def __init__(self, step: int, signum: int):
+        self.step, self.signum = step, signum
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == self.step:
+            os.kill(os.getpid(), self.signum)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_finishes_the_step_saves_it_and_resume_continues_exactly(tmp_path, capsys, signum):
+    straight = tmp_path / "straight"
+    fit(straight, "--trainer.max_steps", "4")
+    root = tmp_path / "stopped"
+    callback = json.dumps([{"class_path": "test_reliability.SignalAtStep", "init_args": {"step": 2, "signum": int(signum)}}])
+    with pytest.raises(SystemExit) as info:
+        fit(root, "--trainer.max_steps", "4", "--trainer.callbacks", callback)
+    assert info.value.code == 128 + signum
+    assert "stopped by a signal after update 3; the run is saved" in capsys.readouterr().err
+    checkpoint = torch.load(root / "checkpoints" / "last.ckpt", weights_only=False)
+    assert checkpoint["global_step"] == 3, "the interrupted step finished and was saved"
+    assert [row["step"] for row in map(json.loads, (root / "history.jsonl").read_text().splitlines())] == [1, 2, 3]
+    assert (root / "summary.json").exists()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "Ctrl-C is the user's again"
+    fit(root, "--trainer.max_steps", "4", "--ckpt_path", str(root / "checkpoints" / "last.ckpt"))
+    a = torch.load(straight / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    b = torch.load(root / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
