@@ -17,7 +17,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.cli import SaveConfigCallback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -102,6 +102,51 @@ class ResumeCheckpoint(ModelCheckpoint):
     def save_last_now(self, trainer: L.Trainer) -> None:
         if self.save_last and self._last_global_step_saved != trainer.global_step:
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+
+class TandemProgressBar(TQDMProgressBar):
+    """The bar counts optimiser updates against ``max_steps`` (not epochs of a data set that a run
+    rarely finishes) and shows the numbers that matter under short names."""
+
+    NAMES = {"reward": "reward", "eval/senior_accuracy": "senior acc"}
+
+    @property
+    def train_description(self) -> str:
+        return "train"
+
+    @property
+    def validation_description(self) -> str:
+        return "validation"
+
+    def on_train_epoch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        bar = self.train_progress_bar
+        by_updates = bool(trainer.max_steps and trainer.max_steps > 0)
+        bar.reset(total=trainer.max_steps if by_updates else self.total_train_batches)
+        bar.n = trainer.global_step if by_updates else 0
+        bar.unit = "update" if by_updates else "it"
+        bar.set_description(self.train_description)
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        super().on_validation_batch_start(trainer, pl_module, batch, batch_idx, dataloader_idx)
+        if self.val_progress_bar is not None:
+            self.val_progress_bar.set_description(self.validation_description)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+        bar = self.train_progress_bar
+        if bar is not None and not bar.disable:
+            bar.n = trainer.global_step if trainer.max_steps and trainer.max_steps > 0 else batch_idx + 1
+            bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=False)
+            bar.refresh()
+
+    def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+        metrics = super().get_metrics(trainer, pl_module)
+        return {short: metrics[name] for name, short in self.NAMES.items() if name in metrics}
+
+    def on_test_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        super().on_test_batch_start(trainer, pl_module, batch, batch_idx, dataloader_idx)
+        name = batch[0].get("dataset") if len(batch) and isinstance(batch[0], dict) else None
+        if name and self.test_progress_bar is not None:
+            self.test_progress_bar.set_description(f"test {name}")
 
 
 class GracefulStop(L.Callback):

@@ -11,13 +11,15 @@ lets short names (``GRPO``, ``WordHandoff``, ``GSM8KVerifier``) resolve. Everyth
 
 from __future__ import annotations
 
+import argparse
+import logging
 import os
 import sys
 import warnings
 from pathlib import Path
 
 from jsonargparse import Namespace
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -33,6 +35,7 @@ from tandem_lit.callbacks import (
     ResumeCheckpoint,
     RunReport,
     SaveConfigToRun,
+    TandemProgressBar,
     check_checkpoint,
     read_run_record,
 )
@@ -48,6 +51,7 @@ TRAINER_DEFAULTS = {
     "check_val_every_n_epoch": None,
     "val_check_interval": 25,
     "devices": 1,
+    "enable_model_summary": False,  # its table counts FLOPs as 0 and says nothing of the rollout copy
 }
 
 
@@ -64,6 +68,12 @@ class TandemCLI(LightningCLI):
         })
         parser.add_lightning_class_args(ResumeCheckpoint, "checkpoint")
         parser.set_defaults({"checkpoint.save_last": True, "checkpoint.save_top_k": 0, "checkpoint.every_n_train_steps": 50})
+
+    def _prepare_subcommand_parser(self, klass, subcommand: str, **kwargs):
+        parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
+        if subcommand in ("test", "validate"):  # the module prints one table per run, not Lightning's per eval set
+            parser.set_defaults({"verbose": False})
+        return parser
 
     def _parse_ckpt_path(self) -> None:
         """Lightning loads the whole checkpoint here to read hyperparameters (tens of GB for a 4B
@@ -105,6 +115,11 @@ class TandemCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs):
         # (no callbacks= here: that would replace the user's --trainer.callbacks)
+        trainer_config = self._get(self.config_init, "trainer")
+        callbacks = trainer_config.get("callbacks") or []
+        callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+        if trainer_config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
+            trainer_config["callbacks"] = [*callbacks, TandemProgressBar()]
         trainer = super().instantiate_trainer(**kwargs)
         best = self._get(self.config_init, "best_checkpoint")
         if best is not None and best.monitor is None:  # no metric to select by: no best checkpoint
@@ -121,9 +136,7 @@ class TandemCLI(LightningCLI):
 def build_cli(args: list[str] | None = None) -> TandemCLI:
     """Parse ``args`` (default: the command line) and run the subcommand; returns the CLI object
     (``.trainer``, ``.model``, ``.datamodule``) for programmatic use."""
-    warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")  # the frozen junior, on purpose
-    # we want the post-update state in a checkpoint (global_step counts updates already made)
-    warnings.filterwarnings("ignore", message=r".*ModelCheckpoint with manual optimization.*")
+    configure_logs()
     return TandemCLI(
         TandemModule,
         PromptDataModule,
@@ -134,7 +147,49 @@ def build_cli(args: list[str] | None = None) -> TandemCLI:
         trainer_defaults=TRAINER_DEFAULTS,
         args=args,
         auto_configure_optimizers=False,
+        seed_everything_default=0,  # every random draw of a run has its own explicit seed anyway
+        parser_kwargs={"exit_on_error": False},  # main() turns a config error into one line
     )
+
+
+class _Drop(logging.Filter):
+    def __init__(self, *fragments: str):
+        super().__init__()
+        self.fragments = fragments
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(fragment in str(record.msg) for fragment in self.fragments)
+
+
+def _drop(logger_name: str, *fragments: str) -> None:
+    logger = logging.getLogger(logger_name)
+    if not any(isinstance(f, _Drop) and f.fragments == fragments for f in logger.filters):
+        logger.addFilter(_Drop(*fragments))
+
+
+def configure_logs() -> None:
+    """Silence what a user of tandem-lit cannot act on, each where it arises: Lightning's
+    advertising tips and messages about choices made on purpose (the frozen junior is in eval
+    mode; checkpoints under manual optimisation), a torch deprecation inside Lightning, MLflow's
+    store set-up lines, weight-loading bars. The model summary is one line of our own
+    (``TandemModule.on_fit_start``)."""
+    _drop("lightning.pytorch.utilities.rank_zero", "💡 Tip")
+    _drop("lightning.pytorch.loggers.mlflow", "not found. Creating it")  # a new run folder's first run
+    warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")  # the frozen junior, on purpose
+    # we want the post-update state in a checkpoint (global_step counts updates already made)
+    warnings.filterwarnings("ignore", message=r".*ModelCheckpoint with manual optimization.*")
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*", module=r"lightning\..*")
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # read when mlflow configures its loggers
+    logging.getLogger("mlflow").setLevel(logging.WARNING)  # in case it already has
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    ours = logging.getLogger("tandem_lit")  # our own INFO lines (models, evaluation at start, memory estimate)
+    if not ours.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
 
 
 def unused_run_folder(root: Path) -> Path:
@@ -169,10 +224,20 @@ def main(args: list[str] | None = None) -> None:
         raise SystemExit(128 + int(getattr(err, "signum", 15))) from None
     except Exception as err:
         cause = user_error(err)
-        if cause is None or os.environ.get("TANDEM_LIT_TRACEBACK"):
+        if os.environ.get("TANDEM_LIT_TRACEBACK") or (cause is None and not isinstance(err, argparse.ArgumentError)):
             raise
-        print(f"tandem-lit: error: {cause}", file=sys.stderr)
+        message = str(cause) if cause is not None else config_error_line(err)
+        print(f"tandem-lit: error: {message}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def config_error_line(err: argparse.ArgumentError) -> str:
+    """jsonargparse's nested explanation of a bad option, as one line: the lines that name the
+    option and what is wrong with it (not the alternatives it also tried, such as None)."""
+    noise = ("Does not validate against any of the Union subtypes", "Subtypes:", "Errors:", "Given value",
+             "Expected a <class 'NoneType'>")
+    parts = [line.strip(" -") for line in str(err).splitlines() if line.strip() and not line.strip(" -").startswith(noise)]
+    return " ".join(parts) + " (--help lists the options; --print_config shows the resolved config)"
 
 
 def user_error(err: BaseException | None) -> TandemLitError | None:

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import torch
 
-from tandem_lit.evaluation import DatasetTally, flat_metrics, summarize, write_report
+from tandem_lit.evaluation import DatasetTally, flat_metrics, markdown_table, summarize, write_report
 from tandem_lit.metrics import pass_at_k
 from tandem_lit.results import RolloutResult
 from tandem_lit.rollout.handoff import HandoffPolicy, SoloHandoff
@@ -190,4 +190,5 @@ class EvaluationSteps:
 
             for path in write_report(report, self.pass_k, Path(self.trainer.default_root_dir) / "eval"):
                 log_artifact(self.trainer, path, "eval")
+            print(markdown_table(report, self.pass_k))
         self.test_report = report

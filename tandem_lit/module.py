@@ -272,6 +272,8 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         from tandem_lit.callbacks import start_run_record
 
         self.run_id = start_run_record(self.trainer, self.run_id)
+        if self.trainer.is_global_zero:
+            log.info(self.models_line())
         if self.device.type != "cuda":
             return
         self.estimated_memory = self.memory_estimate()
@@ -279,6 +281,19 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         if self.memory.check:
             properties = torch.cuda.get_device_properties(self.device)
             self.estimated_memory.check(properties.total_memory, properties.name)
+
+    def models_line(self) -> str:
+        """One line on what trains and what does not (in place of Lightning's model summary)."""
+        def count(model: nn.Module, trainable: bool | None = None) -> str:
+            n = sum(p.numel() for p in model.parameters() if trainable is None or p.requires_grad == trainable)
+            return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M" if n >= 1e5 else f"{n / 1e3:.1f} K"
+
+        dtype = str(next(self.senior.parameters()).dtype).removeprefix("torch.")
+        line = f"senior {count(self.senior)} parameters ({count(self.senior, True)} trained, {dtype}"
+        line += f", LoRA r={self.lora.r})" if self.lora else ")"
+        if self.junior is not None:
+            line += f"; junior {count(self.junior)} (frozen)"
+        return line
 
     def memory_estimate(
         self, prompts_per_step: int | None = None, mixed_precision: bool | None = None, decode_dtype: torch.dtype | None = None,
