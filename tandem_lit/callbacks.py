@@ -90,7 +90,28 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 class ResumeCheckpoint(ModelCheckpoint):
     """Checkpoints to resume from: ``last.ckpt`` every ``every_n_train_steps`` updates, once more
     when training ends, and when a signal stops it (``GracefulStop``), so the weights of the last
-    finished update are never lost between two periodic saves."""
+    finished update are never lost between two periodic saves.
+
+    A step followed by a validation is saved after that validation, so the checkpoint holds its
+    rows: a run killed during the validation resumes from the checkpoint before and redoes the
+    step and its validation, instead of skipping the validation for good."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._after_validation: tuple | None = None
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+        loop = trainer.fit_loop.epoch_loop
+        if loop._should_check_val_fx(trainer.fit_loop._data_fetcher):  # Lightning validates after this hook
+            self._after_validation = (outputs, batch, batch_idx)
+            return
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_validation_end(trainer, pl_module)
+        if self._after_validation is not None and not trainer.sanity_checking:
+            args, self._after_validation = self._after_validation, None
+            super().on_train_batch_end(trainer, pl_module, *args)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.save_last_now(trainer)

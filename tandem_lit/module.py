@@ -440,6 +440,7 @@ class TandemModule(EvaluationSteps, L.LightningModule):
     def training_step(self, batch: list[dict[str, Any]], batch_idx: int) -> None:
         started = time.perf_counter()
         self.rollout_timing = {}
+        grader_timeouts = getattr(self.verifier, "timeouts", None)
         key = getattr(batch, "epoch", 0) * 1_000_003 + getattr(batch, "index", batch_idx)
         rows, skipped = self.prompts_that_fit(batch)
         offload_seconds = self.offload_optimizer_state()
@@ -467,6 +468,8 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         stats["rollout_seconds"] = generated - started
         stats["update_seconds"] = time.perf_counter() - generated
         stats.update(engine_phases(self.rollout_timing))
+        if grader_timeouts is not None:  # graded 0 because the grader ran out of time (or could not decide)
+            stats["grader_timeouts"] = float(self.verifier.timeouts - grader_timeouts)
         if self._offload is not None:
             stats["optimizer_offload_seconds"] = offload_seconds
         if self.device.type == "cuda":

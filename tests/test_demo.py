@@ -174,3 +174,14 @@ def test_shortened_demo_clears_jargon_only_with_handoffs(monkeypatch, tmp_path, 
     assert [r["step"] for r in rows] == [0, steps]
     assert rows[-1]["eval/senior_jargon_rate"] == pytest.approx(tandem["eval/senior_jargon_rate"]["last"], abs=1e-3)
     assert {p.name for p in draw(tmp_path / "demo", tmp_path / "control", tmp_path / "img")} == {"demo_jargon.png", "demo_accuracy.png"}
+    # the README's CPU evaluation of the trained senior (a smaller test split)
+    from tandem_lit.cli import main
+
+    main(args=["test", "--config", "configs/demo.yaml", "--ckpt_path", str(tmp_path / "demo" / "checkpoints" / "last.ckpt"),
+               "--trainer.default_root_dir", str(tmp_path / "demo"), "--data.init_args.test_size", "40"])
+    report = json.loads((tmp_path / "demo" / "eval" / "results.json").read_text())
+    (name,) = report["datasets"]
+    assert report["datasets"][name]["problems"] == 40
+    assert report["macro"]["solo_pass@1"] > 0.5 and 0 < report["macro"]["handoff_pass@1"] <= 1
+    assert report["macro"]["legibility_nats"] > 0
+    assert (tmp_path / "demo" / "eval" / "results.md").exists()

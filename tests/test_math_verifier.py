@@ -417,3 +417,33 @@ def test_perturbation_changes_the_value():
     assert perturb(r"864 \mbox{ inches}^2") == r"865 \mbox{ inches}^2"
     assert perturb(r"\text{Evelyn}") == r"\text{EvelynX}"
     assert perturb(r"p - q") == "p - q+1"
+
+
+def test_a_batch_of_hostile_tasks_costs_the_budget_not_n_timeouts(helper_module):
+    """8 tasks that each overrun, 2 workers, 1 s each: without a budget that is 4 s of waiting in
+    sequence; the 1.5 s budget stops the batch, every task is a counted timeout."""
+    pool = WorkerPool("pool_helpers:factory", size=2, timeout_s=1.0)
+    try:
+        pool.run([("double", 0)])  # workers started: measure the batch alone
+        start = time.monotonic()
+        results = pool.run([("sleep", 30)] * 8, budget_s=1.5)
+        assert time.monotonic() - start < 3.0
+        assert [r.status for r in results] == ["timeout"] * 8
+        assert sum("budget" in r.error for r in results) >= 4  # most never started
+        assert pool.timeouts == 8
+        assert [r.value for r in pool.run([("double", 1), ("double", 2)], budget_s=1.5)] == [2, 4]
+    finally:
+        pool.close()
+
+
+def nested_frac(depth: int) -> str:
+    """\\frac{\\frac{...\\frac{2}{1}...}{1}}{1}: the value 2, ``depth`` fractions deep."""
+    return "\\frac{" * depth + "2" + "}{1}" * depth
+
+
+def test_deep_valid_answers_are_graded_right_or_counted_never_silently_wrong():
+    with MathVerifier(workers=1, timeout_s=20.0) as v:
+        deep, absurd = v.grade_batch([boxed(nested_frac(200)), boxed(nested_frac(20_000))], answer=["2", "2"])
+        assert deep.correct  # 200 levels parse with the worker's raised recursion limit
+        # 20,000 levels: right, or a counted failure (too deep, timed out or crashed), never a silent 0
+        assert (absurd.correct and v.timeouts == 0) or (not absurd.correct and v.timeouts == 1)

@@ -147,3 +147,64 @@ def test_a_signal_finishes_the_step_saves_it_and_resume_continues_exactly(tmp_pa
     a = torch.load(straight / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
     b = torch.load(root / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_grades_the_grader_gave_up_on_are_counted_per_step(tmp_path):
+    """A verifier that keeps a ``timeouts`` count (MathVerifier does): each step logs how many of
+    its rewards were zeros for lack of a verdict, not for a wrong answer."""
+    from conftest import tiny_tandem_module
+
+    from tandem_lit.data import GSM8KDataModule
+    from tandem_lit.objectives import GRPO
+    from tandem_lit.rollout import SamplingConfig
+    from tandem_lit.verifiers.base import Grade, Verifier
+
+    class GivesUpOnce(Verifier):
+        timeouts = 0
+
+        def grade(self, completion: str, **columns) -> Grade:
+            return Grade(correct=False, reward=0.0)
+
+        def grade_batch(self, completions, **columns):
+            self.timeouts += 1  # one grade per batch ran out of time
+            return super().grade_batch(completions, **columns)
+
+    module = tiny_tandem_module(verifier=GivesUpOnce(), objective=GRPO(), sampling=SamplingConfig(n=2, max_new_tokens=8),
+                                optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    trainer = L.Trainer(max_steps=2, logger=False, enable_checkpointing=False, limit_val_batches=0, accelerator="cpu",
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
+    trainer.fit(module, datamodule=GSM8KDataModule(source="data/gsm8k-sample", val_size=4, batch_size=2))
+    assert [row["train/grader_timeouts"] for row in module.history if "train/loss" in row] == [1.0, 1.0]
+
+
+class KillDuringValidation(L.Callback):
+    """SIGKILL (no handler can run) when the validation after update ``step`` starts."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_validation_start(self, trainer, pl_module):
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_run_killed_during_validation_redoes_that_validation_on_resume(tmp_path, repo_root):
+    import subprocess
+    import sys
+
+    root = tmp_path / "run"
+    validate = ["--trainer.limit_val_batches", "1", "--trainer.val_check_interval", "2", "--checkpoint.every_n_train_steps", "1"]
+    callback = json.dumps([{"class_path": "test_reliability.KillDuringValidation", "init_args": {"step": 2}}])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo_root / "tests"), os.environ.get("PYTHONPATH", "")]))
+    killed = subprocess.run(
+        [sys.executable, "-m", "tandem_lit.cli", "fit", "--config", "configs/gsm8k_tiny.yaml", "--trainer.default_root_dir",
+         str(root), *FAST, *validate, "--trainer.max_steps", "4", "--trainer.callbacks", callback],
+        cwd=repo_root, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    # the step-2 checkpoint waits for its validation, which never finished: the last one is step 1's
+    assert torch.load(root / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 1
+    fit(root, *validate, "--trainer.max_steps", "4", "--ckpt_path", str(root / "checkpoints" / "last.ckpt"))
+    history = [json.loads(line) for line in (root / "history.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in history if "train/loss" in r] == [1, 2, 3, 4]
+    assert [r["step"] for r in history if "eval/senior_accuracy" in r] == [2, 4]

