@@ -241,7 +241,8 @@ def test_the_readme_recipe_trains_smollm2_with_lora(tmp_path, monkeypatch):
                      "--model.init_args.eval_sampling.max_new_tokens", "16"])
     assert cli.trainer.global_step == 2
     module = cli.model
-    assert module.engine.decodes_copy and module.engine.weights_version == 1  # LoRA merged, reloaded once
+    # LoRA merged into the copy, reloaded before step 2's rollouts and before the validation after it
+    assert module.engine.decodes_copy and module.engine.weights_version == 2
     lora_b = [p for n, p in module.senior.named_parameters() if "lora_B" in n]
     assert lora_b and any(float(p.abs().max()) > 0 for p in lora_b), "the adapters should have moved"
     rows = [json.loads(line) for line in (root / "history.jsonl").read_text().splitlines()]
