@@ -185,11 +185,24 @@ def configure_logs() -> None:
 
     transformers_logging.disable_progress_bar()
     ours = logging.getLogger("tandem_lit")  # our own INFO lines (models, evaluation at start, memory estimate)
-    if not ours.handlers:
-        handler = logging.StreamHandler()
+    if not any(isinstance(h, _StderrNow) for h in ours.handlers):
+        handler = _StderrNow()
         handler.setFormatter(logging.Formatter("%(message)s"))
         ours.addHandler(handler)
         ours.setLevel(logging.INFO)
+
+
+class _StderrNow(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at the time (main() may run several times in one
+    process, each with its own stderr, e.g. under pytest's capture)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:  # StreamHandler.__init__ assigns it
+        pass
 
 
 def unused_run_folder(root: Path) -> Path:

@@ -152,6 +152,28 @@ def junior_with_other_alphabet(tmp_path):
     return write_model_dir(tmp_path / "odd_junior", tiny_llama_config(len(tokenizer)), tokenizer)
 
 
+def bad_data(tmp, lines: list[str]) -> str:
+    folder = tmp / "data"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text("".join(line + "\n" for line in lines))
+    return str(folder)
+
+
+GOOD_ROW = json.dumps({"question": "What is 1+1?", "answer": "1+1=2\n#### 2"})
+
+
+def make_file(path):
+    path.write_text("a file, not a folder")
+    return path
+
+
+def truncated_checkpoint(tmp):
+    path = tmp / "last.ckpt"
+    torch.save({"state_dict": {"w": torch.zeros(1000)}}, path)
+    path.write_bytes(path.read_bytes()[:300])
+    return path
+
+
 BAD_INPUT = {
     "missing_field": (lambda tmp: ["--data.init_args.answer_field", "nope"], "no field 'nope'"),
     "missing_model": (lambda tmp: ["--model.init_args.senior.path", str(tmp / "no_such_model")], "does not exist"),
@@ -159,6 +181,16 @@ BAD_INPUT = {
                            "tokenizers differ"),
     "p_above_1": (lambda tmp: ["--model.init_args.handoff.init_args.p", "1.5"], "must be in [0, 1], got 1.5"),
     "p_below_0": (lambda tmp: ["--model.init_args.handoff.init_args.p", "-0.1"], "must be in [0, 1], got -0.1"),
+    "dataset_path_typo": (lambda tmp: ["--data.init_args.source", "data/gsm8k-sampl"], "Did you mean 'data/gsm8k-sample'"),
+    "malformed_jsonl": (lambda tmp: ["--data.init_args.source", bad_data(tmp, [GOOD_ROW, GOOD_ROW, '{"question": "x",'])],
+                        "train.jsonl, line 3: not valid JSON"),
+    "empty_dataset": (lambda tmp: ["--data.init_args.source", bad_data(tmp, [])], "holds no records"),
+    "val_size_too_large": (lambda tmp: ["--data.init_args.val_size", "1000"], "leaves no training rows"),
+    "grpo_with_one_rollout": (lambda tmp: ["--model.init_args.sampling.n", "1"], "Set sampling.n >= 2"),
+    "unwritable_run_folder": (lambda tmp: ["--trainer.default_root_dir", str(make_file(tmp / "file") / "run")],
+                              "cannot create the run folder"),
+    "missing_ckpt_path": (lambda tmp: ["--ckpt_path", str(tmp / "nope.ckpt")], "does not exist"),
+    "truncated_checkpoint": (lambda tmp: ["--ckpt_path", str(truncated_checkpoint(tmp))], "cannot be read"),
 }
 
 

@@ -1,4 +1,5 @@
-"""The first hour of a user: bad inputs end in one line, runs never mix, a signal loses nothing.
+"""The first hour of a user: runs never mix, a signal or a kill loses nothing, the grader's
+give-ups are counted (bad inputs that end in one line: test_cli.BAD_INPUT).
 
 Everything goes through ``main(args=[...])``, the path of the ``tandem-lit`` command."""
 
@@ -27,56 +28,6 @@ FAST = [
 
 def fit(root, *extra: str) -> None:
     main(args=["fit", "--config", "configs/gsm8k_tiny.yaml", "--trainer.default_root_dir", str(root), *FAST, *extra])
-
-
-def bad_data(tmp, lines: list[str]) -> str:
-    folder = tmp / "data"
-    folder.mkdir()
-    (folder / "train.jsonl").write_text("".join(line + "\n" for line in lines))
-    return str(folder)
-
-
-GOOD_ROW = json.dumps({"question": "What is 1+1?", "answer": "1+1=2\n#### 2"})
-
-BAD_INPUT = {
-    "dataset_path_typo": (lambda tmp: ["--data.init_args.source", "data/gsm8k-sampl"], "Did you mean 'data/gsm8k-sample'"),
-    "malformed_jsonl": (lambda tmp: ["--data.init_args.source", bad_data(tmp, [GOOD_ROW, GOOD_ROW, '{"question": "x",'])],
-                        "train.jsonl, line 3: not valid JSON"),
-    "empty_dataset": (lambda tmp: ["--data.init_args.source", bad_data(tmp, [])], "holds no records"),
-    "val_size_too_large": (lambda tmp: ["--data.init_args.val_size", "1000"], "leaves no training rows"),
-    "grpo_with_one_rollout": (lambda tmp: ["--model.init_args.sampling.n", "1"], "Set sampling.n >= 2"),
-    "unwritable_run_folder": (lambda tmp: ["--trainer.default_root_dir", str(make_file(tmp / "file") / "run")],
-                              "cannot create the run folder"),
-    "missing_ckpt_path": (lambda tmp: ["--ckpt_path", str(tmp / "nope.ckpt")], "does not exist"),
-    "truncated_checkpoint": (lambda tmp: ["--ckpt_path", str(truncated_checkpoint(tmp))], "cannot be read"),
-}
-
-
-def make_file(path):
-    path.write_text("a file, not a folder")
-    return path
-
-
-def truncated_checkpoint(tmp):
-    path = tmp / "last.ckpt"
-    torch.save({"state_dict": {"w": torch.zeros(1000)}}, path)
-    path.write_bytes(path.read_bytes()[:300])
-    return path
-
-
-@pytest.mark.parametrize("case", sorted(BAD_INPUT))
-def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys, case):
-    make_args, expected = BAD_INPUT[case]
-    args = make_args(tmp_path)
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as info:
-        fit(tmp_path / "run", "--trainer.max_steps", "1", *args)
-    assert info.value.code == 2
-    err = capsys.readouterr().err
-    errors = [line for line in err.splitlines() if line.startswith("tandem-lit: error:")]
-    assert len(errors) == 1, err
-    assert expected in errors[0], errors[0]
-    assert "Traceback" not in err
 
 
 def test_a_second_run_into_a_used_folder_gets_its_own(tmp_path, capsys):
