@@ -29,7 +29,6 @@ import tandem_lit.objectives  # noqa: F401
 import tandem_lit.rollout  # noqa: F401
 import tandem_lit.verifiers  # noqa: F401
 from tandem_lit.callbacks import (
-    RUN_RECORD,
     AtomicCheckpointIO,
     GracefulStop,
     ResumeCheckpoint,
@@ -37,11 +36,11 @@ from tandem_lit.callbacks import (
     SaveConfigToRun,
     TandemProgressBar,
     check_checkpoint,
-    read_run_record,
 )
 from tandem_lit.data.base import PromptDataModule
 from tandem_lit.errors import ConfigError, TandemLitError
 from tandem_lit.module import TandemModule
+from tandem_lit.runs import RUN_RECORD, read_run_record
 
 TRAINER_DEFAULTS = {
     "default_root_dir": "runs/default",

@@ -53,7 +53,8 @@ from tandem_lit.rollout.engine import HFEngine, RolloutEngine
 from tandem_lit.rollout.handoff import HandoffPolicy, ParagraphHandoff
 from tandem_lit.rollout.record import Author, PromptBatch, Rollout
 from tandem_lit.rollout.sampling import SamplingConfig, sequence_seeds
-from tandem_lit.rollout.weights import rollout_named_tensors
+from tandem_lit.rollout.weights import needs_copy, rollout_dtype, rollout_named_tensors
+from tandem_lit.runs import start_run_record
 from tandem_lit.settings import DynamicSampling, MemorySettings, OverlongPolicy, PromptFormat, TrainingStalledError
 from tandem_lit.verifiers.base import Verifier
 
@@ -269,8 +270,6 @@ class TandemModule(EvaluationSteps, L.LightningModule):
                 f"{self.sampling.n}: every advantage would be 0 and nothing would train. Set sampling.n >= 2 "
                 "(Tandem RLVR uses 8), or use Reinforce."
             )
-        from tandem_lit.callbacks import start_run_record
-
         self.run_id = start_run_record(self.trainer, self.run_id)
         if self.trainer.is_global_zero:
             log.info(self.models_line())
@@ -301,8 +300,6 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         """The step's memory from the models' shapes and this run's settings (``tandem_lit.memory``);
         ``prompts_per_step`` and ``mixed_precision`` default to the data module's and trainer's,
         ``decode_dtype`` to the engine's rollout dtype here (pass bf16 to size a GPU run elsewhere)."""
-        from tandem_lit.rollout.weights import needs_copy, rollout_dtype
-
         requested = getattr(self.engine, "rollout_dtype", "auto")
         if decode_dtype is None and requested != "live":
             decode_dtype = rollout_dtype(requested, self.senior)
