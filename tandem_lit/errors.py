@@ -20,3 +20,7 @@ class DataError(TandemLitError, KeyError):
 
 class ModelSourceError(TandemLitError, OSError):
     """A model path or hub name cannot be loaded."""
+
+
+class NonFiniteGradientError(TandemLitError, FloatingPointError):
+    """An update's gradient is NaN or infinite: it is not applied, and the run stops."""

@@ -8,13 +8,32 @@ one chunk however long the completion.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from tandem_lit.rollout.record import Rollout
 
+log = logging.getLogger(__name__)
+
 CHUNK_ELEMENTS = 2**28  # float logits per chunk (1 GiB)
+
+
+def avoid_cudnn_attention_backward() -> None:
+    """Route scaled-dot-product attention away from the cuDNN backend for training on CUDA.
+
+    On H100/H200 with torch 2.11, cuDNN's SDPA backward returns NaN query gradients when an
+    attention mask is passed and the length is 64 mod 128 (pytorch/pytorch#196678): our training
+    forward always passes the padding mask, and a tiny bf16-mixed run got NaN weights after its
+    first update. Flash / memory-efficient / math attention are exact on the same inputs. Set
+    process-wide (not a context manager) because activation checkpointing re-runs the forward
+    inside backward, outside any context around the forward.
+    """
+    if torch.backends.cuda.cudnn_sdp_enabled():
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        log.info("cuDNN attention disabled for training (NaN gradients with padding masks: pytorch#196678)")
 
 
 def completion_logprobs(model: nn.Module, rollout: Rollout, temperature: float) -> Tensor:  # -> [N, T]

@@ -33,9 +33,9 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
-from tandem_lit.errors import ConfigError
+from tandem_lit.errors import ConfigError, NonFiniteGradientError
 from tandem_lit.eval_steps import EvalMode, EvaluationSteps
-from tandem_lit.logprobs import completion_logprobs
+from tandem_lit.logprobs import avoid_cudnn_attention_backward, completion_logprobs
 from tandem_lit.memory import GIB, ModelShape, OptimizerOffload, StepSettings, estimate_step_memory, pack_by_tokens
 from tandem_lit.metrics import JargonDetector, LogprobGap, rollout_stats
 from tandem_lit.models import (
@@ -275,6 +275,7 @@ class TandemModule(EvaluationSteps, L.LightningModule):
             log.info(self.models_line())
         if self.device.type != "cuda":
             return
+        avoid_cudnn_attention_backward()
         self.estimated_memory = self.memory_estimate()
         log.info("estimated peak GPU memory of a training step: %s", self.estimated_memory.table())
         if self.memory.check:
@@ -592,10 +593,17 @@ class TandemModule(EvaluationSteps, L.LightningModule):
                 totals["loss"] = totals.get("loss", 0.0) + metrics.pop("loss") / len(updates)
                 for name, value in metrics.items():
                     totals[name] = totals.get(name, 0.0) + value * len(micro) / len(group)
-            if self.max_grad_norm is not None:
-                totals["grad_norm"] = totals.get("grad_norm", 0.0) + float(
-                    torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), self.max_grad_norm)
-                ) / len(updates)
+            # the norm is needed anyway: a non-finite gradient must never reach the weights
+            norm = float(torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), self.max_grad_norm or math.inf))
+            if not math.isfinite(norm):
+                optimizer.zero_grad(set_to_none=True)
+                raise NonFiniteGradientError(
+                    f"the gradient norm is {norm} at step {self.global_step}: this update was not applied and the "
+                    "run stops (resume from the last checkpoint). Look for "
+                    "non-finite rewards or log-probs; lower the learning rate, set max_grad_norm, or train "
+                    "with trainer.precision 32-true to see whether mixed precision causes it"
+                )
+            totals["grad_norm"] = totals.get("grad_norm", 0.0) + norm / len(updates)
             optimizer.step()
             self._policy_version += 1
         optimizer.zero_grad(set_to_none=True)  # no gradient memory held through the next rollouts

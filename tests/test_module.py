@@ -10,7 +10,7 @@ from conftest import tiny_tandem_module
 
 from tandem_lit.cli import build_cli
 from tandem_lit.data import GSM8KDataModule
-from tandem_lit.errors import ConfigError
+from tandem_lit.errors import ConfigError, NonFiniteGradientError
 from tandem_lit.models import LoraSettings, ModelSource
 from tandem_lit.module import TandemModule
 from tandem_lit.objectives import AuthorshipError, SoftMaskedReinforce
@@ -68,6 +68,20 @@ def test_a_step_moves_the_senior_and_never_the_junior(tmp_path):
     trainer.save_checkpoint(path)
     saved = torch.load(path, weights_only=False)["state_dict"]
     assert set(saved) == {f"senior.{n}" for n in senior_before}
+
+
+def test_a_nonfinite_gradient_is_never_applied_and_stops_the_run(tmp_path):
+    module = tandem_module(max_grad_norm=None)  # the check must not depend on clipping being on
+    module.configure_model()
+    before = snapshot(module.senior)
+    # one NaN in one weight's gradient, as cuDNN's attention backward gave on an H200 (pytorch#196678)
+    weight = module.senior.get_output_embeddings().weight
+    weight.register_hook(lambda grad: grad.index_fill(0, torch.tensor([0]), float("nan")))
+    with pytest.raises(NonFiniteGradientError, match="gradient norm is nan at step 0: this update was not applied"):
+        fit(module, tmp_path)
+    for name, p in module.senior.named_parameters():
+        assert torch.equal(p, before[name]), f"{name} moved"
+        assert p.grad is None
 
 
 def test_lora_trains_adapters_only(tmp_path):
