@@ -13,6 +13,7 @@ the coin gives GRPO groups mixed rewards, so the update does real work).
         --problems ../shared/data/deepscaler/train/deepscaler_subset_803.json
     python benchmarks/train_step.py --device cpu --tiny          # CI-sized check of this script
     python benchmarks/train_step.py --config configs/rlvr/qwen35_9b_2b_tandem.yaml --estimate-only
+    python benchmarks/train_step.py --devices 2 --strategy fsdp ...   # FSDP2, one process per GPU
 
 Per step it prints rollout and update seconds, rollout tokens/s, the decode step against the bf16
 roofline (bytes one step must read: the decoded weights of both models + their KV caches at the
@@ -31,6 +32,7 @@ import argparse
 import copy
 import gc
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -46,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rollout import copy_bandwidth  # noqa: E402  (benchmarks/rollout.py: the same roofline inputs)
 
 from tandem_lit.data.base import PromptDataModule  # noqa: E402
+from tandem_lit.distributed import FSDP2Strategy  # noqa: E402
 from tandem_lit.memory import GIB  # noqa: E402
 from tandem_lit.verifiers.base import Grade, Verifier  # noqa: E402
 
@@ -197,12 +200,18 @@ class StepReport(L.Callback):
         step["roofline_ms"] = 1000 * decode_bytes(module, step["prompt_width"]) / self.bandwidth
         step["decode_roofline_share"] = step["roofline_ms"] / step["decode_step_ms"]
         self.steps.append(step)
-        print(f"{self.arm:>7} step {len(self.steps)}: {seconds:7.1f} s = rollout {step['rollout_seconds']:6.1f} s "
+        say(f"{self.arm:>7} step {len(self.steps)}: {seconds:7.1f} s = rollout {step['rollout_seconds']:6.1f} s "
               f"(setup {step['setup_seconds']:.2f}, prefill {step['prefill_seconds']:.2f}, decode "
               f"{step['decode_step_ms']:.2f} ms/step = {step['decode_roofline_share']:.0%} of roofline "
               f"{step['roofline_ms']:.2f} ms; {step['rollout_tokens_per_second']:,.0f} tok/s; optimizer offload "
               f"{step['offload_seconds']:.1f} s) + update {step['update_seconds']:6.1f} s; logp gap mean "
-              f"{step['logp_gap_mean']:.4f} max {step['logp_gap_max']:.3f}; peak {step['peak_gb']:.1f} GiB", flush=True)
+              f"{step['logp_gap_mean']:.4f} max {step['logp_gap_max']:.3f}; peak {step['peak_gb']:.1f} GiB")
+
+
+def say(line: str) -> None:
+    """Print once (rank 0) when Lightning runs several processes."""
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        print(line, flush=True)
 
 
 def decode_bytes(module, prompt_width: float) -> float:
@@ -227,15 +236,17 @@ def run_arm(arm: str, model_args: dict, trainer_args: dict, args, root: Path, ba
     data = ProblemRows(args.problems, batch_size=args.prompts, seed=0)
     report = StepReport(arm, args.warmup_steps, min(32, module.sampling.max_new_tokens), bandwidth, args.prompts)
     updates_per_step = -(-args.prompts // (module.mini_batch_size or args.prompts))
+    strategy = FSDP2Strategy() if args.strategy == "fsdp" else "auto"
     trainer = L.Trainer(
-        accelerator=args.device if args.device == "cpu" else "gpu", devices=1, precision=trainer_args.get("precision", "32-true"),
+        accelerator=args.device if args.device == "cpu" else "gpu", devices=args.devices, strategy=strategy,
+        precision=trainer_args.get("precision", "32-true"),
         max_steps=(args.warmup_steps + args.steps) * updates_per_step, logger=False, enable_checkpointing=False, limit_val_batches=0,
         num_sanity_val_steps=0, enable_progress_bar=False, enable_model_summary=False, callbacks=[report],
         default_root_dir=str(root / arm),
     )
     trainer.fit(module, datamodule=data)
     estimate = module.estimated_memory or module.memory_estimate(prompts_per_step=args.prompts)  # made at fit start on GPU
-    print(f"{arm:>7} memory estimate: {estimate.table()} (peak {estimate.peak / GIB:.1f} GiB)")
+    say(f"{arm:>7} memory estimate: {estimate.table()} (peak {estimate.peak / GIB:.1f} GiB)")
     result = {"arm": arm, "steps": report.steps, "estimate_peak_gb": estimate.peak / GIB, "estimate": estimate.table(),
               "engine": type(module.engine).__name__,
               "rollout_dtype": str(next(module.engine.senior.parameters()).dtype)}
@@ -282,6 +293,8 @@ def main() -> None:
     parser.add_argument("--release-rollout-caches", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--rollout-dtype", default=None, help="the engine's rollout_dtype (default: the config's engine)")
     parser.add_argument("--hf-engine", action="store_true", help="with --rollout-dtype: HFEngine instead of FastEngine")
+    parser.add_argument("--devices", type=int, default=1, help="processes (GPUs); > 1 needs --strategy fsdp")
+    parser.add_argument("--strategy", default=None, choices=["fsdp"], help="fsdp: tandem_lit.distributed.FSDP2Strategy")
     parser.add_argument("--estimate-only", action="store_true")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
@@ -306,10 +319,12 @@ def main() -> None:
             return
         bandwidth = copy_bandwidth(args.device) if args.device == "cuda" else float("nan")
         name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-        print(f"# {args.config} on {name}; copy bandwidth {bandwidth / 1e12:.2f} TB/s; {args.prompts} prompts x "
+        say(f"# {args.config} on {name} x {args.devices} ({args.strategy or 'one process'}); copy bandwidth {bandwidth / 1e12:.2f} TB/s; {args.prompts} prompts x "
               f"n={args.n or model_args['sampling']['n']} x {args.max_new_tokens or model_args['sampling']['max_new_tokens']} "
-              f"tokens; lora={args.lora}", flush=True)
+              f"tokens; lora={args.lora}")
         results = {arm: run_arm(arm, model_args, trainer_args, args, root, bandwidth) for arm in args.arms}
+    if int(os.environ.get("LOCAL_RANK", "0")) > 0:
+        return  # rank 0 writes the results
     if args.json:
         Path(args.json).write_text(json.dumps({"config": args.config, "device": name, "bandwidth": bandwidth,
                                                "args": vars(args), "arms": results}, indent=2))

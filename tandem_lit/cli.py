@@ -38,9 +38,12 @@ from tandem_lit.callbacks import (
     check_checkpoint,
 )
 from tandem_lit.data.base import PromptDataModule
+from tandem_lit.distributed import FSDP2Strategy
 from tandem_lit.errors import ConfigError, TandemLitError
 from tandem_lit.module import TandemModule
 from tandem_lit.runs import RUN_RECORD, read_run_record
+
+RUN_FOLDER_ENV = "TANDEM_LIT_RUN_FOLDER"
 
 TRAINER_DEFAULTS = {
     "default_root_dir": "runs/default",
@@ -87,8 +90,12 @@ class TandemCLI(LightningCLI):
         config = self.config[self.subcommand] if self.subcommand else self.config
         root = Path(config.trainer.default_root_dir).expanduser().resolve()
         resume = config.get("ckpt_path")
-        if self.subcommand == "fit" and not resume:
+        launched = os.environ.get(RUN_FOLDER_ENV) if int(os.environ.get("LOCAL_RANK", "0")) > 0 else None
+        if launched:  # a process Lightning started for rank > 0: the folder rank 0 chose
+            root = Path(launched)
+        elif self.subcommand == "fit" and not resume:
             root = unused_run_folder(root)
+        os.environ[RUN_FOLDER_ENV] = str(root)  # inherited by the processes of the other ranks
         try:
             root.mkdir(parents=True, exist_ok=True)
         except OSError as err:
@@ -115,6 +122,8 @@ class TandemCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs):
         # (no callbacks= here: that would replace the user's --trainer.callbacks)
         trainer_config = self._get(self.config_init, "trainer")
+        if trainer_config.get("strategy") == "fsdp":  # FSDP2 (tandem_lit.distributed says why), not Lightning's FSDP1
+            trainer_config["strategy"] = FSDP2Strategy()
         callbacks = trainer_config.get("callbacks") or []
         callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
         if trainer_config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
@@ -132,9 +141,10 @@ class TandemCLI(LightningCLI):
         return trainer
 
 
-def build_cli(args: list[str] | None = None) -> TandemCLI:
+def build_cli(args: list[str] | None = None, run: bool = True) -> TandemCLI:
     """Parse ``args`` (default: the command line) and run the subcommand; returns the CLI object
-    (``.trainer``, ``.model``, ``.datamodule``) for programmatic use."""
+    (``.trainer``, ``.model``, ``.datamodule``) for programmatic use. ``run=False``: parse a
+    config without a subcommand and build the objects only."""
     configure_logs()
     return TandemCLI(
         TandemModule,
@@ -148,6 +158,7 @@ def build_cli(args: list[str] | None = None) -> TandemCLI:
         auto_configure_optimizers=False,
         seed_everything_default=0,  # every random draw of a run has its own explicit seed anyway
         parser_kwargs={"exit_on_error": False},  # main() turns a config error into one line
+        run=run,
     )
 
 
@@ -230,8 +241,14 @@ def main(args: list[str] | None = None) -> None:
 
     A user-fixable error (``TandemLitError``) ends the run with one line on stderr and exit code 2.
     """
+    args = sys.argv[1:] if args is None else args
     try:
-        build_cli(args)
+        if args[:1] == ["export"]:  # not a Trainer method, so not a LightningCLI subcommand
+            from tandem_lit.export import main as export_main
+
+            export_main(args[1:])
+        else:
+            build_cli(args)
     except SIGTERMException as err:  # a graceful stop: GracefulStop saved the run and said so
         raise SystemExit(128 + int(getattr(err, "signum", 15))) from None
     except Exception as err:

@@ -39,11 +39,12 @@ class EvaluationSteps:
             return self.eval_handoff
         return SoloHandoff(author=mode)
 
-    def evaluate_batch(self, rows: list[dict[str, Any]], key: int) -> dict[str, tuple[float, int]]:
-        """Each eval mode on one batch: {metric name: (mean, count)}."""
+    def evaluate_batch(self, rows: list[dict[str, Any]], key: int, row_ids: list[int] | None = None) -> dict[str, tuple[float, int]]:
+        """Each eval mode on one batch: {metric name: (mean, count)}. ``row_ids``: the rows'
+        places in the whole batch (their seeds), when this is one rank's share of it."""
         out: dict[str, tuple[float, int]] = {}
         for mode in self.eval_modes:
-            result = self.rollout(rows, self.eval_policy(mode), self.eval_sampling, key)
+            result = self.rollout(rows, self.eval_policy(mode), self.eval_sampling, key, row_ids)
             n = len(result.grades)
             out[f"eval/{mode}_accuracy"] = (sum(result.correct) / n, n)
             samples = self.eval_sampling.n
@@ -59,25 +60,48 @@ class EvaluationSteps:
                 self.write_completions(result, "eval_tandem")
         return out
 
+    def evaluate_share(self, rows: list[dict[str, Any]], key: int, totals: dict[str, list[float]]) -> None:
+        """Add this process's share of an eval batch (all of it in one process; every W-th row of
+        it on each of W ranks) to ``totals``: {metric name: [sum, count]}."""
+        world, rank = self.trainer.world_size, self.trainer.global_rank
+        ids = list(range(rank, len(rows), world))
+        if not ids:
+            return
+        share = rows if world == 1 else [rows[i] for i in ids]
+        for name, (value, count) in self.evaluate_batch(share, key, None if world == 1 else ids).items():
+            total = totals.setdefault(name, [0.0, 0])
+            total[0] += value * count
+            total[1] += count
+
+    def eval_means(self, totals: dict[str, list[float]]) -> dict[str, float]:
+        """Means over every rank's share."""
+        if self.trainer.world_size > 1:
+            totals = merge_totals(totals)
+        return {name: s / max(c, 1) for name, (s, c) in sorted(totals.items())}
+
+    def on_validation_epoch_start(self) -> None:
+        self._eval_totals: dict[str, list[float]] = {}
+        self.ready_engine()  # every rank at once: with FSDP, filling the rollout copy is a collective
+
     def validation_step(self, batch: list[dict[str, Any]], batch_idx: int) -> None:
-        for name, (value, count) in self.evaluate_batch(batch, batch_idx).items():
-            self.log(name, value, batch_size=count, on_epoch=True, logger=False, prog_bar=name.endswith("senior_accuracy"))
+        self.evaluate_share(batch, batch_idx, self._eval_totals)
 
     def on_validation_epoch_end(self) -> None:
-        if self.trainer.sanity_checking:
-            return
-        self.log_metrics_at_update({k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith("eval/")})
+        means = self.eval_means(self._eval_totals)
+        for name, value in means.items():  # for callbacks (checkpoint monitor, progress bar)
+            # (equal on every rank already: sync_dist only keeps Lightning from advising it)
+            self.log(name, value, logger=False, prog_bar=name.endswith("senior_accuracy"), sync_dist=True)
+        if not self.trainer.sanity_checking:
+            self.log_metrics_at_update(means)
 
     def on_train_start(self) -> None:
         if not self.evaluate_at_start or self.global_step > 0 or not self.trainer.val_dataloaders:
             return
+        self.ready_engine()
         totals: dict[str, list[float]] = {}
         for index, rows in enumerate(self.trainer.val_dataloaders):
-            for name, (value, count) in self.evaluate_batch(rows, index).items():
-                total = totals.setdefault(name, [0.0, 0])
-                total[0] += value * count
-                total[1] += count
-        row = {name: s / max(c, 1) for name, (s, c) in totals.items()}
+            self.evaluate_share(rows, index, totals)
+        row = self.eval_means(totals)
         self.log_metrics_at_update(row)
         log.info("evaluation before training: %s", json.dumps({k: round(v, 4) for k, v in row.items()}))
 
@@ -192,3 +216,18 @@ class EvaluationSteps:
                 log_artifact(self.trainer, path, "eval")
             print(markdown_table(report, self.pass_k))
         self.test_report = report
+
+
+def merge_totals(totals: dict[str, list[float]]) -> dict[str, list[float]]:
+    """{name: [sum, count]} added up over ranks (a rank whose share was empty has no names)."""
+    import torch.distributed as dist
+
+    every: list[dict[str, list[float]] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, totals)
+    merged: dict[str, list[float]] = {}
+    for part in every:
+        for name, (total, count) in (part or {}).items():
+            entry = merged.setdefault(name, [0.0, 0])
+            entry[0] += total
+            entry[1] += count
+    return merged

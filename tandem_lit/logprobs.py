@@ -8,6 +8,7 @@ one chunk however long the completion.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -36,18 +37,27 @@ def avoid_cudnn_attention_backward() -> None:
         log.info("cuDNN attention disabled for training (NaN gradients with padding masks: pytorch#196678)")
 
 
+def last_hidden_state(model: nn.Module, **inputs) -> Tensor:
+    """The backbone's last hidden state (no vocabulary projection)."""
+    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return causal_lm.base_model(**inputs).last_hidden_state
+
+
 def completion_logprobs(model: nn.Module, rollout: Rollout, temperature: float) -> Tensor:  # -> [N, T]
     """log p(token_t | prompt, tokens_<t) of every completion token, logits divided by
     ``temperature`` (if > 0). Padding positions get some value; callers mask them."""
     causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    backbone, head = causal_lm.base_model, causal_lm.get_output_embeddings()
+    head = causal_lm.get_output_embeddings()
     softcap = getattr(causal_lm.config, "final_logit_softcapping", None)
     completion = rollout.completion_ids
     width = completion.shape[1]
     ids = torch.cat([rollout.prompt_ids, completion], dim=1)
     mask = torch.cat([rollout.prompt_mask, rollout.completion_mask.long()], dim=1)
     positions = (mask.cumsum(-1) - 1).clamp_min(0)
-    hidden = backbone(input_ids=ids, attention_mask=mask, position_ids=positions).last_hidden_state
+    # (FSDP: ``shard_model`` registers this as a forward of the root unit, so that its shards,
+    # embeddings and head, are gathered for it and their gradients reduced after backward)
+    forward = getattr(model, "completion_hidden", None) or functools.partial(last_hidden_state, model)
+    hidden = forward(input_ids=ids, attention_mask=mask, position_ids=positions)
     hidden = hidden[:, -width - 1 : -1]  # the positions that predict the completion tokens
 
     def chunk_logprobs(h: Tensor, targets: Tensor) -> Tensor:

@@ -21,6 +21,7 @@ Validation, test and predict live in ``eval_steps.EvaluationSteps``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -33,6 +34,7 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
+from tandem_lit.distributed import all_reduce_sum, balance, full_value, max_over_ranks, rank_rows, reduce_metrics
 from tandem_lit.errors import ConfigError, NonFiniteGradientError
 from tandem_lit.eval_steps import EvalMode, EvaluationSteps
 from tandem_lit.logprobs import avoid_cudnn_attention_backward, completion_logprobs
@@ -53,7 +55,7 @@ from tandem_lit.rollout.engine import HFEngine, RolloutEngine
 from tandem_lit.rollout.handoff import HandoffPolicy, ParagraphHandoff
 from tandem_lit.rollout.record import Author, PromptBatch, Rollout
 from tandem_lit.rollout.sampling import SamplingConfig, sequence_seeds
-from tandem_lit.rollout.weights import needs_copy, rollout_dtype, rollout_named_tensors
+from tandem_lit.rollout.weights import gathered, is_sharded, needs_copy, rollout_dtype, rollout_named_tensors
 from tandem_lit.runs import start_run_record
 from tandem_lit.settings import DynamicSampling, MemorySettings, OverlongPolicy, PromptFormat, TrainingStalledError
 from tandem_lit.verifiers.base import Verifier
@@ -244,6 +246,12 @@ class TandemModule(EvaluationSteps, L.LightningModule):
 
             self.reference = freeze(copy.deepcopy(senior))
         self.junior_tokenizer = junior_tokenizer
+        mesh = getattr(self, "_device_mesh", None)  # set by FSDP2Strategy (trainer.strategy: fsdp)
+        if mesh is not None:
+            from tandem_lit.distributed import shard_model
+
+            bf16 = str(self.trainer.precision).startswith("bf16")
+            self.senior = shard_model(senior, mesh["data_parallel"], bf16_compute=bf16)
         if self.engine is None:
             self.engine = default_engine(self.senior, self.junior)
 
@@ -251,7 +259,8 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         """The engine, bound to the models where they now live (after Lightning moved them), its
         rollout copy loaded with the current trained weights (once per rollout phase after updates)."""
         if self._engine_device != self.device:
-            self.engine.setup(self.senior, self.junior, self.tokenizer, self.junior_tokenizer)
+            with gathered(self.senior):  # (a no-op unless FSDP shards the senior)
+                self.engine.setup(self.senior, self.junior, self.tokenizer, self.junior_tokenizer)
             self._engine_device = self.device
             self._engine_version = self._policy_version
             rollout_dtype = str(next(self.engine.senior.parameters()).dtype).removeprefix("torch.")
@@ -259,7 +268,8 @@ class TandemModule(EvaluationSteps, L.LightningModule):
                 logger.log_hyperparams({"engine": type(self.engine).__name__, "rollout_dtype": rollout_dtype})
         elif self._engine_version != self._policy_version:
             if self.engine.decodes_copy:
-                self.engine.load_weights(rollout_named_tensors(self.senior))
+                with gathered(self.senior):
+                    self.engine.load_weights(rollout_named_tensors(self.senior))
             self._engine_version = self._policy_version
         return self.engine
 
@@ -270,6 +280,8 @@ class TandemModule(EvaluationSteps, L.LightningModule):
                 f"{self.sampling.n}: every advantage would be 0 and nothing would train. Set sampling.n >= 2 "
                 "(Tandem RLVR uses 8), or use Reinforce."
             )
+        if self.trainer.world_size > 1:
+            self.check_several_processes()
         self.run_id = start_run_record(self.trainer, self.run_id)
         if self.trainer.is_global_zero:
             log.info(self.models_line())
@@ -281,6 +293,27 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         if self.memory.check:
             properties = torch.cuda.get_device_properties(self.device)
             self.estimated_memory.check(properties.total_memory, properties.name)
+
+    def check_several_processes(self) -> None:
+        """What must hold for W ranks to take equal shares of every step (``rank_rows``)."""
+        world = self.trainer.world_size
+        if not is_sharded(self.senior):
+            raise ConfigError(
+                f"{world} processes with trainer.strategy {type(self.trainer.strategy).__name__}: tandem-lit trains on "
+                "several processes with trainer.strategy: fsdp (FSDP2) only"
+            )
+        batch_size = getattr(self.trainer.datamodule, "batch_size", None)
+        if batch_size is not None:
+            try:
+                rank_rows(batch_size, world, 0, self.mini_batch_size)
+            except ValueError:
+                raise ConfigError(
+                    f"data batch_size {batch_size} in mini-batches of {self.mini_batch_size or batch_size} prompts does not "
+                    f"split over {world} processes: make every mini-batch a multiple of {world} prompts"
+                ) from None
+        for what, value in (("dynamic_sampling", self.dynamic_sampling), ("max_prompt_tokens", self.max_prompt_tokens)):
+            if value is not None:  # both make ranks' shares unequal
+                raise ConfigError(f"{what} is not supported on several processes yet: unset it, or train on one")
 
     def models_line(self) -> str:
         """One line on what trains and what does not (in place of Lightning's model summary)."""
@@ -378,13 +411,19 @@ class TandemModule(EvaluationSteps, L.LightningModule):
             return tokenizer(texts, add_special_tokens=add_special)
         return tokenizer(texts, padding=True, padding_side="left", return_tensors="pt", add_special_tokens=add_special)
 
-    def rollout(self, rows: list[dict[str, Any]], policy: HandoffPolicy, sampling: SamplingConfig, key: int) -> RolloutResult:
-        """Generate ``sampling.n`` rollouts per row and grade them. ``key`` fixes the seeds.
+    def rollout(
+        self, rows: list[dict[str, Any]], policy: HandoffPolicy, sampling: SamplingConfig, key: int,
+        row_ids: list[int] | None = None,
+    ) -> RolloutResult:
+        """Generate ``sampling.n`` rollouts per row and grade them. ``key`` fixes the seeds;
+        ``row_ids``, the rows' places in the whole batch when they are one rank's share of it.
 
         The engine gets at most ``rollout_batch_size`` sequences per call (its KV caches are
         sized for one call); seeds are those of the whole batch, so chunking changes nothing else.
         """
-        seeds = sequence_seeds(sampling.seed, key, len(rows) * sampling.n)
+        seeds = sequence_seeds(sampling.seed, key, (max(row_ids) + 1 if row_ids else len(rows)) * sampling.n)
+        if row_ids:  # the seeds these rows get in one process
+            seeds = seeds.view(-1, sampling.n)[torch.tensor(row_ids)].reshape(-1)
         per_call = max(1, (self.rollout_batch_size or len(rows) * sampling.n) // sampling.n)
         parts = []
         for start in range(0, len(rows), per_call):
@@ -441,11 +480,15 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         grader_timeouts = getattr(self.verifier, "timeouts", None)
         key = getattr(batch, "epoch", 0) * 1_000_003 + getattr(batch, "index", batch_idx)
         rows, skipped = self.prompts_that_fit(batch)
+        row_ids = None
+        if self.trainer.world_size > 1:  # this rank's share (every rank iterates the same batches)
+            row_ids = rank_rows(len(rows), self.trainer.world_size, self.global_rank, self.mini_batch_size)
+            rows = [rows[i] for i in row_ids]
         offload_seconds = self.offload_optimizer_state()
         if not rows:
             result, sampling_stats = None, {}
         elif self.dynamic_sampling is None:
-            result, sampling_stats = self.rollout(rows, self.handoff, self.sampling, key), {}
+            result, sampling_stats = self.rollout(rows, self.handoff, self.sampling, key, row_ids), {}
         else:
             result, sampling_stats = self.informative_rollouts(rows, key)
         self._count_idle_step(result is None, no_prompts=not rows)
@@ -472,6 +515,8 @@ class TandemModule(EvaluationSteps, L.LightningModule):
             stats["optimizer_offload_seconds"] = offload_seconds
         if self.device.type == "cuda":
             stats["peak_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / GIB
+        if self.trainer.world_size > 1:
+            stats = reduce_metrics(stats)
         row = {f"train/{k}": v for k, v in stats.items()}
         self.log_dict(row, batch_size=len(batch), logger=False)  # for callbacks (monitor, progress bar)
         if result is not None:
@@ -555,7 +600,9 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         allowed = ~truncated if self.overlong.mode == "mask" else None
         optimizer = self.optimizers()
         prompts = int(group.max()) + 1
-        per_update = self.mini_batch_size or prompts
+        world = self.trainer.world_size if self._trainer is not None else 1
+        # with W ranks each holds 1/W of every mini-batch (``rank_rows``)
+        per_update = self.mini_batch_size // world if self.mini_batch_size else prompts
         updates = [torch.nonzero((group >= s) & (group < s + per_update)).squeeze(-1) for s in range(0, prompts, per_update)]
         advantages = self.objective.advantages(rewards, group)
         # the ratio's denominator comes from the training model: recomputed before the first of
@@ -569,8 +616,13 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         for rows in updates:
             mask = allowed[rows] if allowed is not None else None
             scale = self.objective.loss_scale(rollout.author[rows], advantages[rows], self.sampling.max_new_tokens, mask)
+            micros = self.micro_batches(rollout, rows)
+            if world > 1:  # normalisers of the whole mini-batch; as many passes as the busiest rank
+                weight_sum, sequences = all_reduce_sum([scale.weight_sum, scale.sequences], self.device)
+                scale = dataclasses.replace(scale, weight_sum=weight_sum, sequences=int(sequences))
+                micros = balance(micros, max_over_ranks(len(micros), self.device))
             optimizer.zero_grad(set_to_none=True)
-            for micro in self.micro_batches(rollout, rows):
+            for micro in micros:
                 part = rollout.select(micro).trimmed()
                 width = part.completion_ids.shape[1]
                 logp = self.sequence_logprobs(self.senior, part)
@@ -588,13 +640,13 @@ class TandemModule(EvaluationSteps, L.LightningModule):
                     rollout_logp=part.senior_logprobs,
                 )
                 loss, metrics = self.objective(inputs, scale)
-                self.manual_backward(loss)
+                self.manual_backward(loss * world)  # FSDP averages gradients over ranks
                 # micro-batch losses add up to the update's loss; other metrics are row averages
                 totals["loss"] = totals.get("loss", 0.0) + metrics.pop("loss") / len(updates)
                 for name, value in metrics.items():
                     totals[name] = totals.get(name, 0.0) + value * len(micro) / len(group)
             # the norm is needed anyway: a non-finite gradient must never reach the weights
-            norm = float(torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), self.max_grad_norm or math.inf))
+            norm = float(full_value(torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), self.max_grad_norm or math.inf)))
             if not math.isfinite(norm):
                 optimizer.zero_grad(set_to_none=True)
                 raise NonFiniteGradientError(
@@ -668,7 +720,8 @@ class TandemModule(EvaluationSteps, L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         saved = set(checkpoint.get("tandem_lit", {}).get("trainable_keys", []))
         expected = {f"senior.{n}" for n, p in self.senior.named_parameters() if p.requires_grad}
-        missing = expected - set(checkpoint["state_dict"])
+        # (FSDP2Strategy has loaded the weights into the shards already and passes no state_dict)
+        missing = expected - set(checkpoint["state_dict"] if "state_dict" in checkpoint else saved)
         if missing or (saved and saved != expected):
             raise RuntimeError(
                 f"checkpoint does not match this model: {len(missing)} trainable tensors missing "

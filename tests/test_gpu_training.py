@@ -99,3 +99,35 @@ def test_tandem_grpo_steps_on_gpu(tmp_path, setting):
     assert all(row["train/rollout_setup_seconds"] > 0 and row["train/decode_step_ms"] > 0 for row in steps)
     # after each step (the update just ran) the AdamW moments are on the GPU, offloaded or not
     assert placement.on_gpu == [True, True, True]
+
+
+def test_fsdp2_on_one_gpu_shards_the_senior_and_decodes_a_bf16_copy_of_the_gathered_weights(tmp_path):
+    """The FSDP2 path on CUDA (NCCL, bf16 mixed-precision policy, the root unit's registered
+    training forward, the copy filled inside ``gathered``); one process, so no sharing of rows."""
+    from tandem_lit.distributed import FSDP2Strategy
+    from tandem_lit.rollout.weights import gathered, is_sharded, rollout_named_tensors
+
+    module = TandemModule(
+        senior=ModelSource("configs/tiny/senior", random_init=True, init_seed=1, dtype="float32"),
+        junior=ModelSource("configs/tiny/junior", random_init=True, init_seed=2, dtype="float32"),
+        verifier=HasSpaceVerifier(), objective=GRPO(), handoff=WordHandoff(0.5), engine=FastEngine(),
+        sampling=SamplingConfig(temperature=1.0, n=4, max_new_tokens=32),
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
+        eval_modes=["senior", "tandem"], evaluate_at_start=False, completions_every_n_steps=0,
+    )
+    trainer = L.Trainer(
+        accelerator="gpu", devices=1, strategy=FSDP2Strategy(), max_steps=3, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+        precision="bf16-mixed", default_root_dir=str(tmp_path),
+    )
+    trainer.fit(module, datamodule=Rows(batch_size=4))
+    assert trainer.global_step == 3 and is_sharded(module.senior)
+    engine = module.engine
+    assert engine.triton and engine.decodes_copy and engine.weights_version == 2
+    steps = [row for row in module.history if "train/loss" in row]
+    assert all(0 < row["train/rollout_logp_gap_mean"] < 0.5 and math.isfinite(row["train/grad_norm"]) for row in steps)
+    with gathered(module.senior):  # what the next rollout phase does after the last update
+        engine.load_weights(rollout_named_tensors(module.senior))
+    copy_weights = dict(engine.senior.named_parameters())
+    for name, param in module.senior.named_parameters():
+        assert torch.equal(copy_weights[name], param.full_tensor().to(torch.bfloat16)), name

@@ -28,6 +28,7 @@ from tandem_lit.rollout.sampling import SamplingConfig
 from tandem_lit.rollout.weights import (
     build_rollout_copy,
     check_rollout_dtype,
+    is_sharded,
     load_named_tensors,
     needs_copy,
     rollout_dtype,
@@ -119,9 +120,12 @@ class RolloutEngine(ABC):
         self.trained_senior = self.senior = trained
         self.weights_version = 0
         if self.rollout_dtype == "live":
+            if is_sharded(trained):
+                raise ConfigError("rollout_dtype: live decodes the trained weights in place, and FSDP shards them: "
+                                  "use rollout_dtype: auto (a copy filled from the gathered shards)")
             return
         dtype = rollout_dtype(self.rollout_dtype, trained)
-        if needs_copy(trained, dtype):
+        if needs_copy(trained, dtype) or is_sharded(trained):  # (sharded: bound inside ``gathered``)
             self.senior = build_rollout_copy(trained, dtype)
             load_named_tensors(self.senior, rollout_named_tensors(trained))
 

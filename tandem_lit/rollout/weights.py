@@ -8,16 +8,18 @@ seam, ``RolloutEngine.load_weights(named_tensors)``: an iterable of (parameter n
 the plain model's names, the shape vLLM's ``load_weights`` and verl's weight sync take.
 
 ``rollout_named_tensors`` is the producer for a model in this process (cast, LoRA merged, 4-bit
-dequantised, one tensor at a time so nothing is materialised twice); a sharded producer (FSDP:
-gather each parameter, yield it, free it) feeds the same seam.
+dequantised, one tensor at a time so nothing is materialised twice). A senior sharded by FSDP2
+feeds the same seam from inside ``gathered`` (its shards all-gathered once per rollout phase).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 
 from tandem_lit.errors import ConfigError
 
@@ -26,6 +28,29 @@ ROLLOUT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32
 
 class WeightSyncError(ConfigError):
     """The named tensors do not fit the engine's rollout model."""
+
+
+def is_sharded(model: nn.Module | None) -> bool:
+    return model is not None and any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def unwrapped_class(model: nn.Module) -> type:
+    """The model's own class (``fully_shard`` swaps in a subclass ``FSDP<Class>``)."""
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule)) if isinstance(model, FSDPModule) else type(model)
+
+
+@contextmanager
+def gathered(model: nn.Module) -> Iterator[nn.Module]:
+    """Every FSDP unit of ``model`` all-gathered (plain tensors in its modules) for the block; a
+    collective: every rank enters it at the same point. Resharded on exit."""
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.unshard()
+    try:
+        yield model
+    finally:
+        for unit in reversed(units):
+            unit.reshard()
 
 
 def plain_model(model: nn.Module) -> nn.Module:
@@ -113,7 +138,7 @@ def build_rollout_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     base = plain_model(model)
     device = next(base.parameters()).device
     with torch.device(device):
-        copy = type(base)._from_config(base.config, dtype=dtype)
+        copy = unwrapped_class(base)._from_config(base.config, dtype=dtype)
     sources = dict(base.named_buffers())
     for name, buffer in copy.named_buffers():
         if name in sources and sources[name].shape == buffer.shape:

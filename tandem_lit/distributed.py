@@ -1,0 +1,148 @@
+"""Several processes (GPUs, or gloo processes on a CPU): FSDP2 for the senior, rollouts on every rank.
+
+``trainer.strategy: fsdp`` means :class:`FSDP2Strategy`, Lightning's ModelParallelStrategy (FSDP2,
+``torch.distributed.fsdp.fully_shard``) with every process in one data-parallel group. FSDP2
+rather than Lightning's FSDPStrategy (FSDP1) because its parameters are plain DTensors: LoRA's
+frozen base and trainable adapters share a module without ``use_orig_params``, a layer can be
+gathered on its own (``unshard``) to fill the rollout copy, and optimizer state is sharded per
+parameter. The frozen junior is never sharded: every rank holds a full copy for inference.
+
+How a step runs on W ranks (``TandemModule`` calls the helpers below):
+- every rank iterates the same global batches (one resumable loader state); rank r keeps its
+  share of each PPO mini-batch (``rank_rows``), with the seeds those rows get in one process, so a
+  prompt's rollouts stay on one rank and group advantages need no communication;
+- the rollout copy is filled once per rollout phase from the gathered shards (``gathered``);
+- the loss is normalised by batch-wide totals (``global_loss_scale``) and multiplied by W,
+  since FSDP averages gradients over ranks: the update equals the one-process update;
+- every rank runs as many forward/backward passes as the busiest one (``balance``);
+- metrics are reduced over ranks (``reduce_metrics``); files are written by rank 0.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import Tensor, nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+from tandem_lit.logprobs import last_hidden_state
+
+# metrics that add up over ranks (counts, throughput) or take the largest; the rest are means
+# (``loss``: each rank's part of the batch-wide normalised loss)
+SUMMED = {"loss", "grader_timeouts", "skipped_long_prompts", "tokens_per_second"}
+LARGEST = {"peak_memory_gb"}
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """Lightning's FSDP2 strategy with one data-parallel group of every process (no tensor
+    parallelism). Checkpoints are one file of full weights and optimizer state, gathered to rank 0
+    and written atomically, so that a checkpoint loads on any number of processes and exports to a
+    Hugging Face folder (sharded checkpoints are not offered: our atomic writes and checks are
+    per file)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(data_parallel_size="auto", tensor_parallel_size=1, save_distributed_checkpoint=False, **kwargs)
+
+    def setup_environment(self) -> None:
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        super().setup_environment()
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
+        """Build the models in ``configure_model`` on this rank's device, as one process does
+        (Lightning's FSDP2 builds them on the CPU: a random 4B senior took minutes there); the
+        senior is then sharded where it is, the junior stays whole."""
+        with torch.device(self.root_device), self.precision_plugin.tensor_init_context():
+            yield
+
+
+def shard_model(model: nn.Module, mesh, bf16_compute: bool) -> nn.Module:
+    """``fully_shard`` each decoder layer (the model's ``_no_split_modules`` classes), then the
+    root (embeddings, final norm, head). Float32 master shards; with ``bf16_compute`` layers are
+    gathered and run in bf16 and gradients reduced in float32."""
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16_compute else MixedPrecisionPolicy()
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layer_classes = set(getattr(base, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+    if not layers:
+        raise TypeError(f"{type(base).__name__} names no decoder layer class (_no_split_modules): cannot shard it per layer")
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    # the training forward stops at the backbone (logprobs.py projects chunks itself): a forward
+    # of the root unit all the same, so FSDP gathers its shards and reduces their gradients
+    model.completion_hidden = functools.partial(last_hidden_state, model)
+    register_fsdp_forward_method(model, "completion_hidden")
+    return model
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank_rows(rows: int, world: int, rank: int, prompts_per_update: int | None) -> list[int]:
+    """Indices of the global batch's rows that ``rank`` rolls out: its slice of every PPO
+    mini-batch of ``prompts_per_update`` prompts (the whole batch: one update; the last one may be
+    shorter), so that local update u is this rank's part of global update u."""
+    per_update = min(prompts_per_update or rows, rows)
+    picked = []
+    for start in range(0, rows, per_update):
+        size = min(per_update, rows - start)
+        if size % world:
+            raise ValueError(f"{rows} prompts per step in mini-batches of {per_update} do not split over {world} processes")
+        share = size // world
+        picked += range(start + rank * share, start + (rank + 1) * share)
+    return picked
+
+
+def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor.tolist()
+
+
+def max_over_ranks(value: int, device: torch.device) -> int:
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor.item())
+
+
+def reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """Means over ranks; sums for counts, throughput and the loss (``SUMMED``); maxima for
+    ``*_max`` and ``LARGEST``. A metric some ranks lack (e.g. a log-prob gap of a share with no
+    senior token) is reduced over the ranks that have it. One small gather per step."""
+    every: list[dict[str, float] | None] = [None] * world_size()
+    dist.all_gather_object(every, metrics)
+    out = {}
+    for name in sorted({n for part in every for n in part}):
+        values = [part[name] for part in every if name in part]
+        if name.endswith("_max") or name in LARGEST:
+            out[name] = max(values)
+        else:
+            out[name] = sum(values) if name in SUMMED else sum(values) / len(values)
+    return out
+
+
+def balance(batches: list[Tensor], count: int) -> list[Tensor]:
+    """Split the largest batches in two until there are ``count`` (FSDP needs every rank to run
+    the same number of forward/backward passes; a gradient is a sum over rows, so splitting
+    changes nothing else)."""
+    batches = list(batches)
+    while len(batches) < count:
+        largest = max(range(len(batches)), key=lambda i: len(batches[i]))
+        if len(batches[largest]) < 2:
+            raise ValueError(f"cannot make {count} micro-batches of {sum(len(b) for b in batches)} rows")
+        half = len(batches[largest]) // 2
+        batches[largest : largest + 1] = [batches[largest][:half], batches[largest][half:]]
+    return batches
+
+
+def full_value(tensor: Tensor) -> Tensor:
+    """A DTensor's full value (a collective), any other tensor as is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
