@@ -15,7 +15,7 @@ from transformers import LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3C
 from tandem_lit.errors import ConfigError
 from tandem_lit.rollout.engine import HFEngine
 from tandem_lit.rollout.fast import FastEngine
-from tandem_lit.rollout.handoff import ParagraphHandoff, SoloHandoff, TokenHandoff, WordHandoff
+from tandem_lit.rollout.handoff import LineHandoff, ParagraphHandoff, SoloHandoff, TokenHandoff, WordHandoff
 from tandem_lit.rollout.record import Author, PromptBatch
 from tandem_lit.rollout.sampling import SamplingConfig, sequence_seeds
 from tandem_lit.tiny import char_tokenizer, tiny_llama_config
@@ -78,7 +78,7 @@ def test_fast_engine_matches_reference_engine(tokenizer, device, arch):
         SamplingConfig(temperature=1.0, max_new_tokens=24, seed=3),
         SamplingConfig(temperature=0.7, top_k=8, top_p=0.9, max_new_tokens=24),
     ]
-    policies = [WordHandoff(0.5), TokenHandoff(0.5), ParagraphHandoff(0.5), SoloHandoff(), SoloHandoff("junior")]
+    policies = [WordHandoff(0.5), TokenHandoff(0.5), LineHandoff(0.5), ParagraphHandoff(0.5), SoloHandoff(), SoloHandoff("junior")]
     for policy in policies:
         for sampling in samplers:
             assert_same_rollouts(reference.generate(prompts, policy, sampling), fast.generate(prompts, policy, sampling))

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from tandem_lit.errors import ConfigError
 from tandem_lit.rollout.decoder import TandemDecoder
 from tandem_lit.rollout.handoff import (
+    LineHandoff,
     ParagraphHandoff,
     SentenceHandoff,
     SoloHandoff,
@@ -32,7 +33,8 @@ from tandem_lit.rollout.sampling import SamplingConfig
 from tandem_lit.tiny import char_tokenizer
 
 SENIOR, JUNIOR, PAD = int(Author.SENIOR), int(Author.JUNIOR), int(Author.PAD)
-POLICIES = {"token": TokenHandoff, "word": WordHandoff, "sentence": SentenceHandoff, "paragraph": ParagraphHandoff}
+POLICIES = {"token": TokenHandoff, "word": WordHandoff, "sentence": SentenceHandoff, "line": LineHandoff,
+            "paragraph": ParagraphHandoff}
 CLOSERS = "\"')]}»”’"
 
 
@@ -137,6 +139,8 @@ def switch_allowed(unit: str, prefix: str, token: str, special: bool) -> bool:
             or "\n" in trailing_ws(prefix)
             or (ends_sentence(prefix) and token[:1].isspace())
         )
+    if unit == "line":
+        return trailing_ws(prefix).count("\n") >= 1 and not token.isspace()
     if unit == "paragraph":
         return trailing_ws(prefix).count("\n") >= 2 and not token.isspace()
     raise AssertionError(unit)
@@ -239,7 +243,7 @@ def test_spans_hold_whole_units_and_both_authors_write(unit):
     assert int(decoder.state.junior_draws.sum()) > 0
 
 
-@pytest.mark.parametrize("unit,p", [("token", 0.5), ("word", 0.3), ("sentence", 0.7), ("paragraph", 0.5)])
+@pytest.mark.parametrize("unit,p", [("token", 0.5), ("word", 0.3), ("sentence", 0.7), ("line", 0.4), ("paragraph", 0.5)])
 def test_junior_share_of_draws_converges_to_p(unit, p):
     """Boundary draws only (the senior starts): the junior wins a share p of them, within 5 sigma."""
     vocab = VOCABS["char"]
@@ -410,6 +414,10 @@ def test_word_boundary_rules_on_known_text():
     ("The cat.\n\n", "The", "sentence", True),   # the line break sits inside the token ".\n\n"
     ("The cat.\n\n", "The", "paragraph", True),
     ("The cat.\n", "The", "paragraph", False),
+    ("The cat.\n", "The", "line", True),           # a GSM8K step ends at its line break
+    ("The cat.", " dog", "line", False),
+    ("The cat", "\n", "line", False),              # the break itself stays with the line it ends
+    ("b \n \n", " x", "line", True),
     ("The cat", "\n", "sentence", True),
     ("The cat", " dog", "word", True),
     ("The cat", "s", "word", False),

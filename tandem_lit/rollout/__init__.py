@@ -4,6 +4,7 @@ from tandem_lit.rollout.engine import HFEngine, RolloutEngine, TokenizerMismatch
 from tandem_lit.rollout.fast import FastEngine
 from tandem_lit.rollout.handoff import (
     HandoffPolicy,
+    LineHandoff,
     ParagraphHandoff,
     SentenceHandoff,
     SoloHandoff,
@@ -15,7 +16,7 @@ from tandem_lit.rollout.sampling import SamplingConfig
 from tandem_lit.rollout.text_handoff import TextHandoffEngine
 
 __all__ = [
-    "Author", "HFEngine", "HandoffPolicy", "ParagraphHandoff", "PromptBatch", "Rollout", "RolloutEngine",
+    "Author", "HFEngine", "HandoffPolicy", "LineHandoff", "ParagraphHandoff", "PromptBatch", "Rollout", "RolloutEngine",
     "SamplingConfig", "SentenceHandoff", "SoloHandoff", "TextHandoffEngine", "TokenHandoff", "TokenizerMismatchError",
     "WordHandoff", "FastEngine",
 ]

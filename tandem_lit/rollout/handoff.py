@@ -1,6 +1,6 @@
 """HandoffPolicy: who writes the next span of a tandem rollout.
 
-A span ends where its author ends a unit (word, sentence, paragraph): the current author samples
+A span ends where its author ends a unit (word, sentence, line, paragraph): the current author samples
 its next token; if that token would start a new unit, a boundary is reached and the policy draws
 the author of the next span (junior with probability ``p``). When the draw changes the author,
 the new author writes the next token, constrained to tokens that start a unit. So a span always
@@ -10,7 +10,8 @@ default).
 
 Boundaries come from the tokenizer at run time (``TokenClasses``): a word starts with a token
 whose text begins with whitespace; a sentence starts at whitespace after ``.?!`` or at a line
-break; a paragraph starts at the first non-blank token after a blank line.
+break; a line (a GSM8K solution step) at the first non-blank token after a line break; a paragraph
+at the first non-blank token after a blank line.
 """
 
 from __future__ import annotations
@@ -212,16 +213,22 @@ class _SentenceStart(_WordStart):
 
 class _ParagraphStart(BoundaryRule):
     # carry = number of line breaks at the end of the text so far
+    line_breaks = 2  # a blank line
+
     def update(self, carry: Tensor, token: Tensor) -> Tensor:
         c = self.classes
         return torch.where(c.ws_only[token], carry + c.newlines[token], c.trailing_newlines[token])
 
     def at_boundary(self, carry: Tensor, candidate: Tensor) -> Tensor:
         c = self.classes
-        return (carry >= 2) & ~c.ws_only[candidate] & ~c.special[candidate]
+        return (carry >= self.line_breaks) & ~c.ws_only[candidate] & ~c.special[candidate]
 
     def start_allowed(self, carry: Tensor) -> Tensor:
         return ~self.classes.ws_only
+
+
+class _LineStart(_ParagraphStart):
+    line_breaks = 1
 
 
 class TokenHandoff(HandoffPolicy):
@@ -258,6 +265,16 @@ class ParagraphHandoff(HandoffPolicy):
 
     def compile(self, classes: TokenClasses) -> BoundaryRule:
         return _ParagraphStart(classes)
+
+
+class LineHandoff(HandoffPolicy):
+    """A draw after each line break: one reasoning step per line, as GSM8K's annotated solutions
+    are written (the Tandem Training paper's "step" handoff)."""
+
+    unit = "line"
+
+    def compile(self, classes: TokenClasses) -> BoundaryRule:
+        return _LineStart(classes)
 
 
 class SoloHandoff(HandoffPolicy):
