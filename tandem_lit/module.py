@@ -778,7 +778,10 @@ def default_engine(senior: nn.Module, junior: nn.Module | None) -> RolloutEngine
             if model is not None:
                 StaticDecoderModel(model)
     except ConfigError as reason:
-        log.warning("FALLING BACK to HFEngine (the slow reference engine): %s", reason)
+        log.warning(
+            "FALLING BACK to HFEngine, the per-token reference loop (4.6-12x slower rollouts than FastEngine on a "
+            "GPU, docs/benchmarks.md): %s. Set model.engine to choose the engine yourself.", reason,
+        )
         return HFEngine()
     from tandem_lit.rollout.fast import FastEngine
 

@@ -180,3 +180,17 @@ def test_tandem_without_junior_is_a_config_error(small_model, small_tok):
     e = engine(small_model, None, small_tok)
     with pytest.raises(ConfigError, match="junior"):
         e.generate(encode(small_tok, PROMPTS[:2]), WordHandoff(p=0.5), GREEDY)
+
+
+def test_an_architecture_the_fast_engine_lacks_falls_back_to_hf_engine_loudly(caplog):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from tandem_lit.module import default_engine
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=64))
+    with caplog.at_level("WARNING", logger="tandem_lit"):
+        engine = default_engine(model, model)
+    assert isinstance(engine, HFEngine)
+    (record,) = [r for r in caplog.records if "FALLING BACK" in r.getMessage()]
+    message = record.getMessage()
+    assert "gpt2" in message.lower() and "slower" in message and "model.engine" in message
