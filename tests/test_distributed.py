@@ -242,3 +242,37 @@ def test_export_writes_a_plain_hugging_face_folder_of_the_trained_senior(runs, t
         torch.testing.assert_close(merged[name], expected, rtol=1e-6, atol=1e-6, msg=name)
     assert merged_layers > 0 and merged.keys() == frozen.keys()
     assert (tmp_path / "merged" / "tokenizer_config.json").exists()
+
+
+def _checkpointed_worker(rank: int, world: int, port: int, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from tandem_lit.distributed import shard_model
+        from tandem_lit.models import ModelSource, load_causal_lm
+
+        source = ModelSource(str(REPO / "configs/tiny/senior"), random_init=True, init_seed=1, dtype="float32")
+        reference, model = load_causal_lm(source), load_causal_lm(source)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        shard_model(model, init_device_mesh("cpu", (world,)), bf16_compute=False)
+        ids = torch.arange(3, 27).view(2, 12) % 90 + 3
+        mine = ids[rank : rank + 1]  # each rank its row; FSDP averages, so the loss is scaled by world / rows
+        (model(input_ids=mine).logits.log_softmax(-1).mean() * world / 2).backward()
+        reference(input_ids=ids).logits.log_softmax(-1).mean(dim=(1, 2)).sum().div(2).backward()
+        results[rank] = max(
+            float((p.grad.full_tensor() - reference.get_parameter(name).grad).abs().max())
+            for name, p in model.named_parameters()
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_activation_checkpointing_under_fsdp_gives_the_one_process_gradient():
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_checkpointed_worker, args=(2, 29_000 + (os.getpid() + 500) % 1000, results), nprocs=2)
+        outcome = dict(results)
+    assert set(outcome) == {0, 1} and max(outcome.values()) < 1e-6, outcome
