@@ -208,9 +208,14 @@ class StepReport(L.Callback):
               f"{step['logp_gap_mean']:.4f} max {step['logp_gap_max']:.3f}; peak {step['peak_gb']:.1f} GiB")
 
 
+def rank_zero() -> bool:
+    """This is the first (or only) process Lightning runs."""
+    return int(os.environ.get("LOCAL_RANK", "0")) == 0
+
+
 def say(line: str) -> None:
     """Print once (rank 0) when Lightning runs several processes."""
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+    if rank_zero():
         print(line, flush=True)
 
 
@@ -323,7 +328,7 @@ def main() -> None:
               f"n={args.n or model_args['sampling']['n']} x {args.max_new_tokens or model_args['sampling']['max_new_tokens']} "
               f"tokens; lora={args.lora}")
         results = {arm: run_arm(arm, model_args, trainer_args, args, root, bandwidth) for arm in args.arms}
-    if int(os.environ.get("LOCAL_RANK", "0")) > 0:
+    if not rank_zero():
         return  # rank 0 writes the results
     if args.json:
         Path(args.json).write_text(json.dumps({"config": args.config, "device": name, "bandwidth": bandwidth,

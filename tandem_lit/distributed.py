@@ -12,10 +12,11 @@ How a step runs on W ranks (``TandemModule`` calls the helpers below):
   share of each PPO mini-batch (``rank_rows``), with the seeds those rows get in one process, so a
   prompt's rollouts stay on one rank and group advantages need no communication;
 - the rollout copy is filled once per rollout phase from the gathered shards (``gathered``);
-- the loss is normalised by batch-wide totals (``global_loss_scale``) and multiplied by W,
+- the loss is normalised by batch-wide totals (``all_reduce_sum``) and multiplied by W,
   since FSDP averages gradients over ranks: the update equals the one-process update;
 - every rank runs as many forward/backward passes as the busiest one (``balance``);
-- metrics are reduced over ranks (``reduce_metrics``); files are written by rank 0.
+- metrics are reduced over ranks (``reduce_metrics``, eval tallies ``merge_totals``); files are
+  written by rank 0.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 from tandem_lit.logprobs import last_hidden_state
+from tandem_lit.rollout.weights import plain_model
 
 # metrics that add up over ranks (counts, throughput) or take the largest; the rest are means
 # (``loss``: each rank's part of the batch-wide normalised loss)
@@ -67,7 +69,7 @@ def shard_model(model: nn.Module, mesh, bf16_compute: bool) -> nn.Module:
     root (embeddings, final norm, head). Float32 master shards; with ``bf16_compute`` layers are
     gathered and run in bf16 and gradients reduced in float32."""
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16_compute else MixedPrecisionPolicy()
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = plain_model(model)
     layer_classes = set(getattr(base, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
     if not layers:
@@ -80,10 +82,6 @@ def shard_model(model: nn.Module, mesh, bf16_compute: bool) -> nn.Module:
     model.completion_hidden = functools.partial(last_hidden_state, model)
     register_fsdp_forward_method(model, "completion_hidden")
     return model
-
-
-def world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def rank_rows(rows: int, world: int, rank: int, prompts_per_update: int | None) -> list[int]:
@@ -117,7 +115,7 @@ def reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
     """Means over ranks; sums for counts, throughput and the loss (``SUMMED``); maxima for
     ``*_max`` and ``LARGEST``. A metric some ranks lack (e.g. a log-prob gap of a share with no
     senior token) is reduced over the ranks that have it. One small gather per step."""
-    every: list[dict[str, float] | None] = [None] * world_size()
+    every: list[dict[str, float] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(every, metrics)
     out = {}
     for name in sorted({n for part in every for n in part}):
@@ -127,6 +125,19 @@ def reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
         else:
             out[name] = sum(values) if name in SUMMED else sum(values) / len(values)
     return out
+
+
+def merge_totals(totals: dict[str, list[float]]) -> dict[str, list[float]]:
+    """{name: [sum, count]} added up over ranks (a rank whose share was empty has no names)."""
+    every: list[dict[str, list[float]] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, totals)
+    merged: dict[str, list[float]] = {}
+    for part in every:
+        for name, (total, count) in (part or {}).items():
+            entry = merged.setdefault(name, [0.0, 0])
+            entry[0] += total
+            entry[1] += count
+    return merged
 
 
 def balance(batches: list[Tensor], count: int) -> list[Tensor]:

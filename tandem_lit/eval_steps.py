@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import torch
 
+from tandem_lit.distributed import merge_totals
 from tandem_lit.evaluation import DatasetTally, flat_metrics, markdown_table, summarize, write_report
 from tandem_lit.metrics import pass_at_k
 from tandem_lit.results import RolloutResult
@@ -216,18 +217,3 @@ class EvaluationSteps:
                 log_artifact(self.trainer, path, "eval")
             print(markdown_table(report, self.pass_k))
         self.test_report = report
-
-
-def merge_totals(totals: dict[str, list[float]]) -> dict[str, list[float]]:
-    """{name: [sum, count]} added up over ranks (a rank whose share was empty has no names)."""
-    import torch.distributed as dist
-
-    every: list[dict[str, list[float]] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, totals)
-    merged: dict[str, list[float]] = {}
-    for part in every:
-        for name, (total, count) in (part or {}).items():
-            entry = merged.setdefault(name, [0.0, 0])
-            entry[0] += total
-            entry[1] += count
-    return merged

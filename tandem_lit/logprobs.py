@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from tandem_lit.rollout.record import Rollout
+from tandem_lit.rollout.weights import plain_model
 
 log = logging.getLogger(__name__)
 
@@ -39,14 +40,13 @@ def avoid_cudnn_attention_backward() -> None:
 
 def last_hidden_state(model: nn.Module, **inputs) -> Tensor:
     """The backbone's last hidden state (no vocabulary projection)."""
-    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return causal_lm.base_model(**inputs).last_hidden_state
+    return plain_model(model).base_model(**inputs).last_hidden_state
 
 
 def completion_logprobs(model: nn.Module, rollout: Rollout, temperature: float) -> Tensor:  # -> [N, T]
     """log p(token_t | prompt, tokens_<t) of every completion token, logits divided by
     ``temperature`` (if > 0). Padding positions get some value; callers mask them."""
-    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    causal_lm = plain_model(model)
     head = causal_lm.get_output_embeddings()
     softcap = getattr(causal_lm.config, "final_logit_softcapping", None)
     completion = rollout.completion_ids
