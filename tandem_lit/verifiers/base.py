@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,6 +26,22 @@ class Grade:
     correct: bool
     reward: float
     extracted: str | None = None  # the answer the verifier read from the completion
+    # Per-completion measurements a verifier wants logged, e.g. {"tests_passed_fraction": 0.5} or, on
+    # correct solutions only, {"elegance_rate": 1.0}. Each becomes a metric: the mean over the
+    # completions that carry it (train/<name>, eval/<mode>_<name>); see ``label_means``.
+    labels: dict[str, float] = field(default_factory=dict)
+
+
+def label_means(grades: Sequence[Grade]) -> dict[str, tuple[float, int]]:
+    """{label: (mean over the grades that carry it, how many carry it)}. A label set only on some
+    grades (elegance only on correct solutions) is averaged over those only."""
+    sums: dict[str, list[float]] = {}
+    for grade in grades:
+        for name, value in grade.labels.items():
+            total = sums.setdefault(name, [0.0, 0])
+            total[0] += float(value)
+            total[1] += 1
+    return {name: (total / count, count) for name, (total, count) in sums.items()}
 
 
 class MissingColumnError(DataError):
