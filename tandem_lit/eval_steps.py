@@ -21,10 +21,12 @@ import torch
 
 from tandem_lit.distributed import merge_totals
 from tandem_lit.evaluation import DatasetTally, flat_metrics, markdown_table, summarize, write_report
+from tandem_lit.forced_token import forced_token_outcomes
 from tandem_lit.metrics import pass_at_k
 from tandem_lit.results import RolloutResult
 from tandem_lit.rollout.handoff import HandoffPolicy, SoloHandoff
 from tandem_lit.rollout.record import Author, Rollout
+from tandem_lit.verifiers.base import label_means
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,8 @@ class EvaluationSteps:
                 if 1 < k <= samples:
                     out[f"eval/{mode}_pass_at_{k}"] = (sum(pass_at_k(samples, c, k) for c in correct) / len(rows), len(rows))
             out[f"eval/{mode}_jargon_rate"] = (self.jargon.rate(result.rollout.texts), n)
+            for name, measured in label_means(result.grades).items():  # the verifier's own (elegance, tests passed)
+                out[f"eval/{mode}_{name}"] = measured
             out[f"eval/{mode}_response_length"] = (float(result.rollout.lengths.float().mean()), n)
             out[f"eval/{mode}_truncation_rate"] = (float(result.rollout.truncated.float().mean()), n)
             if mode == "tandem":
@@ -137,6 +141,8 @@ class EvaluationSteps:
         key = dataloader_idx * 1_000_003 + batch_idx
         solo = self.rollout(batch, SoloHandoff("senior"), self.test_sampling, key)
         self._tally(tally, solo, handoff=False)
+        if self.test_forced_token:
+            tally.forced.extend((o.solo_correct, o.correct, o.position is not None) for o in forced_token_outcomes(self, solo, key))
         if self.junior is not None:
             handoff = self.rollout(batch, self.test_handoff, self.test_sampling, key)
             self._tally(tally, handoff, handoff=True)
@@ -152,6 +158,11 @@ class EvaluationSteps:
         (tally.handoff_correct if handoff else tally.solo_correct).extend(per_problem)
         (tally.handoff_lengths if handoff else tally.solo_lengths).extend(result.rollout.lengths.tolist())
         (tally.handoff_truncated if handoff else tally.solo_truncated).extend(result.rollout.truncated.tolist())
+        labels = tally.handoff_labels if handoff else tally.solo_labels
+        for name, (mean, count) in label_means(result.grades).items():
+            total = labels.setdefault(name, [0.0, 0])
+            total[0] += mean * count
+            total[1] += count
 
     @torch.no_grad()
     def partner_cross_entropy(self, rollout: Rollout, prompts: list[str]) -> tuple[float, int, int]:

@@ -7,7 +7,9 @@ writes first, one shared token budget), then reports per set and macro-averaged:
 - solo and handoff pass@k (unbiased estimator) and their ratio,
 - truncation rate and mean length of both,
 - legibility: the partner's mean cross-entropy (nats) on the model's solo solutions, per partner
-  token and per character (the one to compare pairs whose tokenizers differ).
+  token and per character (the one to compare pairs whose tokenizers differ),
+- with ``test_forced_token``: success after one forced junior token (``forced_token_*``),
+- the verifier's own labels for both (``solo_elegance_rate``, ``handoff_tests_passed_fraction``...).
 """
 
 from __future__ import annotations
@@ -18,6 +20,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem_lit.metrics import pass_at_k
+
+
+def forced_token_summary(forced: list[tuple[bool, bool, bool]]) -> dict[str, float]:
+    """The one-forced-token experiment (tandem_lit/forced_token.py) from per-sample (solo correct,
+    correct after forcing, a token was forced): success after forcing, its change from solo,
+    the share of solo-correct samples that stay correct, and how many samples had a position."""
+    n = len(forced)
+    solo = sum(s for s, _, _ in forced) / n
+    after = sum(c for _, c, _ in forced) / n
+    kept = [c for s, c, f in forced if s and f]
+    return {
+        "forced_token_accuracy": after,
+        "forced_token_change": after - solo,
+        "forced_token_kept_rate": sum(kept) / len(kept) if kept else float("nan"),
+        "forced_token_position_rate": sum(f for _, _, f in forced) / n,
+    }
 
 
 @dataclass
@@ -34,6 +52,11 @@ class DatasetTally:
     partner_nll: float = 0.0  # summed over the solo solutions' tokens
     partner_tokens: int = 0  # in the partner's own tokens
     partner_chars: int = 0  # characters of those solutions' text
+    # the verifier's labels (Grade.labels, e.g. elegance_rate): {name: [sum, count]}
+    solo_labels: dict[str, list[float]] = field(default_factory=dict)
+    # per solo sample with test_forced_token: (solo correct, correct after forcing, a token was forced)
+    forced: list[tuple[bool, bool, bool]] = field(default_factory=list)
+    handoff_labels: dict[str, list[float]] = field(default_factory=dict)
 
     def pass_at(self, k: int, handoff: bool) -> float:
         counts = self.handoff_correct if handoff else self.solo_correct
@@ -62,6 +85,11 @@ def summarize(tallies: dict[str, DatasetTally], ks: list[int]) -> dict:
         row["handoff_mean_length"] = _mean(tally.handoff_lengths)
         row["legibility_nats"] = tally.partner_nll / tally.partner_tokens if tally.partner_tokens else float("nan")
         row["legibility_nats_per_char"] = tally.partner_nll / tally.partner_chars if tally.partner_chars else float("nan")
+        if tally.forced:
+            row.update(forced_token_summary(tally.forced))
+        for mode, labels in (("solo", tally.solo_labels), ("handoff", tally.handoff_labels)):
+            for label, (total, count) in sorted(labels.items()):
+                row[f"{mode}_{label}"] = total / count if count else float("nan")
         report["datasets"][name] = row
     keys = sorted({k for row in report["datasets"].values() for k in row if k not in ("problems", "n")})
     for key in keys:
@@ -89,6 +117,10 @@ def markdown_table(report: dict, ks: list[int]) -> str:
         columns.append(f"handoff_solo_ratio@{measured[-1]}")
     columns += ["solo_truncation_rate", "handoff_truncation_rate", "solo_mean_length", "legibility_nats",
                 "legibility_nats_per_char"]
+    columns += sorted(k for k in report["macro"] if k.startswith(("solo_", "handoff_")) and k not in columns
+                      and not k.startswith(("solo_pass@", "handoff_pass@", "handoff_solo_ratio@", "handoff_truncation",
+                                            "solo_mean_length", "handoff_mean_length")))  # the verifier's labels
+    columns += [k for k in ("forced_token_accuracy", "forced_token_change", "forced_token_kept_rate") if k in report["macro"]]
     header = "| set | problems | " + " | ".join(columns) + " |"
     lines = [header, "|" + "---|" * (len(columns) + 2)]
     rows = [*report["datasets"].items(), ("**macro**", {**report["macro"], "problems": ""})]
@@ -101,7 +133,7 @@ def markdown_table(report: dict, ks: list[int]) -> str:
 def _cell(value, column: str = "") -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
-    if "pass@" in column or "rate" in column:
+    if "pass@" in column or "rate" in column or column.startswith("forced_token"):
         return f"{100 * value:.1f}"
     return f"{value:.2f}" if isinstance(value, float) else str(value)
 

@@ -43,12 +43,8 @@ def last_hidden_state(model: nn.Module, **inputs) -> Tensor:
     return plain_model(model).base_model(**inputs).last_hidden_state
 
 
-def completion_logprobs(model: nn.Module, rollout: Rollout, temperature: float) -> Tensor:  # -> [N, T]
-    """log p(token_t | prompt, tokens_<t) of every completion token, logits divided by
-    ``temperature`` (if > 0). Padding positions get some value; callers mask them."""
-    causal_lm = plain_model(model)
-    head = causal_lm.get_output_embeddings()
-    softcap = getattr(causal_lm.config, "final_logit_softcapping", None)
+def completion_hidden_states(model: nn.Module, rollout: Rollout) -> Tensor:  # -> [N, T, H]
+    """The backbone's hidden states at the positions that predict each completion token."""
     completion = rollout.completion_ids
     width = completion.shape[1]
     ids = torch.cat([rollout.prompt_ids, completion], dim=1)
@@ -58,7 +54,18 @@ def completion_logprobs(model: nn.Module, rollout: Rollout, temperature: float) 
     # embeddings and head, are gathered for it and their gradients reduced after backward)
     forward = getattr(model, "completion_hidden", None) or functools.partial(last_hidden_state, model)
     hidden = forward(input_ids=ids, attention_mask=mask, position_ids=positions)
-    hidden = hidden[:, -width - 1 : -1]  # the positions that predict the completion tokens
+    return hidden[:, -width - 1 : -1]
+
+
+def completion_logprobs(model: nn.Module, rollout: Rollout, temperature: float) -> Tensor:  # -> [N, T]
+    """log p(token_t | prompt, tokens_<t) of every completion token, logits divided by
+    ``temperature`` (if > 0). Padding positions get some value; callers mask them."""
+    causal_lm = plain_model(model)
+    head = causal_lm.get_output_embeddings()
+    softcap = getattr(causal_lm.config, "final_logit_softcapping", None)
+    completion = rollout.completion_ids
+    width = completion.shape[1]
+    hidden = completion_hidden_states(model, rollout)
 
     def chunk_logprobs(h: Tensor, targets: Tensor) -> Tensor:
         logits = head(h).float()
@@ -77,3 +84,13 @@ def completion_logprobs(model: nn.Module, rollout: Rollout, temperature: float) 
         else:
             parts.append(chunk_logprobs(h, targets))
     return torch.cat(parts, dim=1)
+
+
+@torch.no_grad()
+def completion_top_tokens(model: nn.Module, rollout: Rollout) -> Tensor:  # -> [N, T] long
+    """The model's most likely token at every completion position, teacher-forced on the
+    completion (what it would have written next after each prefix)."""
+    head = plain_model(model).get_output_embeddings()
+    hidden = completion_hidden_states(model, rollout)
+    step = max(1, CHUNK_ELEMENTS // (hidden.shape[0] * head.weight.shape[0]))
+    return torch.cat([head(hidden[:, s : s + step]).argmax(-1) for s in range(0, hidden.shape[1], step)], dim=1)

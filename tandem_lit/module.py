@@ -58,7 +58,7 @@ from tandem_lit.rollout.sampling import SamplingConfig, sequence_seeds
 from tandem_lit.rollout.weights import gathered, is_sharded, needs_copy, rollout_dtype, rollout_named_tensors
 from tandem_lit.runs import start_run_record
 from tandem_lit.settings import DynamicSampling, MemorySettings, OverlongPolicy, PromptFormat, TrainingStalledError
-from tandem_lit.verifiers.base import Verifier
+from tandem_lit.verifiers.base import Verifier, label_means
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,9 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         test_handoff: Handoff of ``tandem-lit test`` (default: paragraph level, p=0.5, the model
             under test writes first, as in Tandem RLVR's evaluation).
         test_sampling: Sampling of ``tandem-lit test`` (default: eval_sampling).
+        test_forced_token: ``tandem-lit test`` also forces one junior token into each solo
+            sample (where the two models' top tokens differ) and reports the change in success
+            (``forced_token_*``; the extension's experiment, tandem_lit/forced_token.py).
         pass_k: The k of the reported pass@k (those <= n).
         optimizer: Optimizer factory (default AdamW, lr 1e-6, no weight decay).
         mini_batch_size: Prompts per optimiser update (None: the whole step batch, one update).
@@ -134,6 +137,7 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         eval_sampling: SamplingConfig | None = None,
         test_handoff: HandoffPolicy | None = None,
         test_sampling: SamplingConfig | None = None,
+        test_forced_token: bool = False,
         pass_k: list[int] | None = None,
         optimizer: OptimizerCallable | None = None,
         mini_batch_size: int | None = None,
@@ -170,6 +174,7 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         self.eval_sampling = eval_sampling or SamplingConfig(temperature=0.0, max_new_tokens=self.sampling.max_new_tokens)
         self.test_handoff = test_handoff or ParagraphHandoff(p=0.5, first_author="senior")
         self.test_sampling = test_sampling or self.eval_sampling
+        self.test_forced_token = test_forced_token
         self.pass_k = sorted(set(pass_k or [1, 2, 4, 8]))
         self._test_tallies: dict = {}  # eval set name -> DatasetTally, during `tandem-lit test`
         self.optimizer_factory = optimizer
@@ -219,6 +224,8 @@ class TandemModule(EvaluationSteps, L.LightningModule):
             raise ConfigError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
         if self.mini_batch_size is not None and self.mini_batch_size < 1:
             raise ConfigError(f"mini_batch_size must be >= 1 prompt, got {self.mini_batch_size}")
+        if self.test_forced_token and self.junior_source is None:
+            raise ConfigError("test_forced_token needs a junior model (its token is the one forced): set `junior`")
         unknown = set(self.eval_modes) - {"senior", "junior", "tandem"}
         if unknown:
             raise ConfigError(f"eval_modes may hold 'senior', 'junior', 'tandem'; got {sorted(unknown)}")
@@ -503,6 +510,7 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         else:
             update_metrics = self.optimise(result)
             stats = rollout_stats(result.rollout, result.rewards, result.correct, result.group, self.jargon)
+            stats.update({name: mean for name, (mean, _) in label_means(result.grades).items()})
             stats.update(update_metrics)
             stats.update(sampling_stats)
             stats["tokens_per_second"] = float(result.rollout.lengths.sum()) / max(generated - started, 1e-9)
