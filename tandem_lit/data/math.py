@@ -282,6 +282,8 @@ class DeepScaleRDataModule(PromptDataModule):
         seed: Seed of the training order and the held-out slice.
     """
 
+    dataset_label = "deepscaler"  # the rows' ``dataset`` field
+
     def __init__(
         self,
         source: str = "agentica-org/DeepScaleR-Preview-Dataset",
@@ -345,7 +347,7 @@ class DeepScaleRDataModule(PromptDataModule):
         rows, skipped = [], []
         for where, index, record in self._records():
             try:
-                rows.append(math_row(record, "deepscaler", where, index, self.instruction))
+                rows.append(math_row(record, self.dataset_label, where, index, self.instruction))
             except DataError as err:  # a training problem without an answer cannot be rewarded: leave it out
                 skipped.append(str(err))
         if not rows:
