@@ -12,6 +12,7 @@ and correctness), with the evaluation's own handoff and sampling:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -142,7 +143,7 @@ class EvaluationSteps:
         solo = self.rollout(batch, SoloHandoff("senior"), self.test_sampling, key)
         self._tally(tally, solo, handoff=False)
         if self.test_forced_token:
-            tally.forced.extend((o.solo_correct, o.correct, o.position is not None) for o in forced_token_outcomes(self, solo, key))
+            tally.forced.extend((o.solo_correct, o.correct, o.position is not None) for o in forced_token_outcomes(self, batch, solo, key))
         if self.junior is not None:
             handoff = self.rollout(batch, self.test_handoff, self.test_sampling, key)
             self._tally(tally, handoff, handoff=True)
@@ -171,8 +172,7 @@ class EvaluationSteps:
         text. A partner with a tokenizer of its own reads the text in its own tokens (and the
         prompts, one per row, in its own chat template): the per-token figure is per *partner*
         token, and the per-character one compares pairs whose tokenizers differ."""
-        if self.partner_has_own_tokenizer():
-            rollout = self.partner_tokens(rollout, prompts)
+        rollout = self.partner_view(rollout, prompts)
         rows = torch.arange(rollout.completion_ids.shape[0], device=self.device)
         total, tokens = 0.0, 0
         for m in rows.split(self.micro_batch_size):
@@ -187,11 +187,23 @@ class EvaluationSteps:
         partner = self.junior_tokenizer
         return partner is not None and partner is not self.tokenizer and partner.get_vocab() != self.tokenizer.get_vocab()
 
+    def partner_view(self, rollout: Rollout, prompts: list[str]) -> Rollout:
+        """The senior's solutions as the partner reads them: after its own prompts (its prompt
+        format), in its own tokens when it has a tokenizer of its own."""
+        if self.partner_has_own_tokenizer():
+            return self.partner_tokens(rollout, prompts)
+        if self.junior_prompt_format is None:
+            return rollout
+        encoded = self.encode_junior_prompts(prompts)
+        return dataclasses.replace(
+            rollout, prompt_ids=encoded["input_ids"].to(self.device), prompt_mask=encoded["attention_mask"].to(self.device)
+        )
+
     def partner_tokens(self, rollout: Rollout, prompts: list[str]) -> Rollout:
         """The same solutions as the partner reads them: its prompts, the text in its tokens, and
         its end token where the solution ended."""
         tokenizer = self.junior_tokenizer
-        encoded = self.encode_prompts(prompts, tokenizer)
+        encoded = self.encode_junior_prompts(prompts)
         end = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         ids = [
             tokenizer(text, add_special_tokens=False)["input_ids"] + (end if finished else [])

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,9 +40,10 @@ class ForcedToken:
     position: int | None
 
 
-def forced_token_outcomes(module: TandemModule, solo: RolloutResult, key: int) -> list[ForcedToken]:
-    """Force one junior token into each of ``solo``'s samples and grade the senior's continuation
-    (``key``: the test batch's key, which seeds the position draws and the continuations)."""
+def forced_token_outcomes(module: TandemModule, rows: list[dict[str, Any]], solo: RolloutResult, key: int) -> list[ForcedToken]:
+    """Force one junior token into each of ``solo``'s samples (``rows``' rollouts) and grade the
+    senior's continuation (``key``: the test batch's key; it seeds the position draws and the
+    continuations). The junior reads the solution after its own prompt."""
     if module.partner_has_own_tokenizer():
         raise ConfigError(
             "test_forced_token needs a junior with the senior's tokenizer (a forced token is one token of "
@@ -50,10 +51,13 @@ def forced_token_outcomes(module: TandemModule, solo: RolloutResult, key: int) -
         )
     rollout = solo.rollout
     forced: list[tuple[int, int, int]] = []  # (sample, position, junior token)
+    per_row = rollout.completion_ids.shape[0] // len(rows)
+    prompts = [row["prompt"] for row in rows for _ in range(per_row)]
     for micro in torch.arange(rollout.completion_ids.shape[0], device=module.device).split(module.micro_batch_size):
         part = rollout.select(micro).trimmed()
         senior_top = completion_top_tokens(module.senior, part)
-        junior_top = completion_top_tokens(module.junior, part)
+        junior_view = module.partner_view(part, [prompts[i] for i in micro.tolist()])
+        junior_top = completion_top_tokens(module.junior, junior_view)
         differ = (senior_top != junior_top) & part.completion_mask
         for row, sample in enumerate(micro.tolist()):
             positions = differ[row].nonzero().flatten().tolist()

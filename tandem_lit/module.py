@@ -109,7 +109,10 @@ class TandemModule(EvaluationSteps, L.LightningModule):
             default: AdamW updates smaller than half a bf16 rounding step vanish (at lr 1e-6 most
             do), so such a run silently barely trains. Use float32 weights (optionally with
             ``trainer.precision: bf16-mixed``) or LoRA instead.
-        prompt_format: Chat template use.
+        prompt_format: Chat template use, system prompt and prompt template (the senior's; also
+            the junior's unless ``junior_prompt_format`` is set).
+        junior_prompt_format: The junior's own prompt (e.g. a system prompt telling it to answer in
+            French), while both models share the response tokens. None: the senior's.
         eval_modes: Validation runs each: ``senior`` alone, ``junior`` alone, ``tandem`` (with
             ``eval_handoff``). Metrics are logged as ``eval/<mode>_<metric>``.
         eval_handoff: Handoff of the ``tandem`` eval mode (None: the training handoff). A
@@ -151,6 +154,7 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         max_idle_steps: int = 20,
         allow_low_precision_weights: bool = False,
         prompt_format: PromptFormat | None = None,
+        junior_prompt_format: PromptFormat | None = None,
         eval_modes: list[EvalMode] | None = None,
         eval_handoff: HandoffPolicy | None = None,
         evaluate_at_start: bool = True,
@@ -197,6 +201,7 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         self.allow_low_precision_weights = allow_low_precision_weights
         self._idle_steps = 0
         self.prompt_format = prompt_format or PromptFormat()
+        self.junior_prompt_format = junior_prompt_format
         self.eval_modes = list(eval_modes) if eval_modes is not None else (["senior"] if junior is None else ["senior", "tandem", "junior"])
         self.eval_handoff = eval_handoff or handoff
         self.evaluate_at_start = evaluate_at_start
@@ -390,33 +395,38 @@ class TandemModule(EvaluationSteps, L.LightningModule):
 
     # --------------------------------------------------------------------------------- rollouts
 
-    def uses_chat_template(self, tokenizer) -> bool:
-        fmt = self.prompt_format
+    def uses_chat_template(self, tokenizer, fmt: PromptFormat | None = None) -> bool:
+        fmt = fmt or self.prompt_format
         has_template = bool(getattr(tokenizer, "chat_template", None))
         if fmt.chat_template and not has_template:
             raise ConfigError("prompt_format.chat_template is true but a model's tokenizer has no chat template")
         return has_template if fmt.chat_template is None else fmt.chat_template
 
-    def format_prompt(self, prompt: str, tokenizer=None) -> str:
-        """The model input for a row's prompt: the chat template around it, or the text as is."""
+    def format_prompt(self, prompt: str, tokenizer=None, fmt: PromptFormat | None = None) -> str:
+        """The model input for a row's prompt: its template, then the chat template around it (or the text as is)."""
         tokenizer = tokenizer or self.tokenizer
-        if not self.uses_chat_template(tokenizer):
+        fmt = fmt or self.prompt_format
+        prompt = fmt.text(prompt)
+        if not self.uses_chat_template(tokenizer, fmt):
             return prompt
-        fmt = self.prompt_format
         messages = ([{"role": "system", "content": fmt.system_prompt}] if fmt.system_prompt else []) + [
             {"role": "user", "content": prompt}
         ]
         extra = {"enable_thinking": fmt.enable_thinking} if fmt.enable_thinking is not None else {}
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
 
-    def encode_prompts(self, prompts: list[str], tokenizer=None, padding: bool = True) -> dict:
+    def encode_prompts(self, prompts: list[str], tokenizer=None, padding: bool = True, fmt: PromptFormat | None = None) -> dict:
         """Token ids of formatted prompts (left-padded; a chat template brings its own special tokens)."""
         tokenizer = tokenizer or self.tokenizer
-        texts = [self.format_prompt(p, tokenizer) for p in prompts]
-        add_special = not self.uses_chat_template(tokenizer)
+        texts = [self.format_prompt(p, tokenizer, fmt) for p in prompts]
+        add_special = not self.uses_chat_template(tokenizer, fmt)
         if not padding:
             return tokenizer(texts, add_special_tokens=add_special)
         return tokenizer(texts, padding=True, padding_side="left", return_tensors="pt", add_special_tokens=add_special)
+
+    def encode_junior_prompts(self, prompts: list[str]) -> dict:
+        """The prompts as the junior reads them: its tokenizer and its own prompt format."""
+        return self.encode_prompts(prompts, self.junior_tokenizer, fmt=self.junior_prompt_format or self.prompt_format)
 
     def rollout(
         self, rows: list[dict[str, Any]], policy: HandoffPolicy, sampling: SamplingConfig, key: int,
@@ -444,8 +454,8 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         prompts_text = [row["prompt"] for row in rows for _ in range(sampling.n)]
         encoded = self.encode_prompts(prompts_text)
         partner = None
-        if getattr(self.engine, "needs_partner_prompts", False):
-            junior = self.encode_prompts(prompts_text, self.junior_tokenizer)
+        if self.junior is not None and (getattr(self.engine, "needs_partner_prompts", False) or self.junior_prompt_format):
+            junior = self.encode_junior_prompts(prompts_text)
             partner = PromptBatch(junior["input_ids"], junior["attention_mask"], seeds)
         prompts = PromptBatch(encoded["input_ids"], encoded["attention_mask"], seeds, partner).to(self.device)
         engine = self.ready_engine()

@@ -18,11 +18,29 @@ class PromptFormat:
             (None: when the tokenizer has one).
         system_prompt: Optional system message (chat template only).
         enable_thinking: Passed to chat templates that have a thinking switch (Qwen3).
+        template: A format string around the row's prompt before the chat template, e.g.
+            ``"{prompt}\n\nRéponds en français."``; it must contain ``{prompt}`` (None: the prompt as is).
     """
 
     chat_template: bool | None = None
     system_prompt: str | None = None
     enable_thinking: bool | None = None
+    template: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.template is not None:
+            try:
+                self.template.format(prompt="")
+            except (KeyError, IndexError, ValueError) as err:
+                raise ConfigError(
+                    f"prompt_format.template {self.template!r} is not a format string over {{prompt}} only ({err!r}); "
+                    "write literal braces as {{ and }}"
+                ) from None
+            if "{prompt}" not in self.template:
+                raise ConfigError(f"prompt_format.template {self.template!r} must contain {{prompt}}, where the row's prompt goes")
+
+    def text(self, prompt: str) -> str:
+        return prompt if self.template is None else self.template.format(prompt=prompt)
 
 
 class TrainingStalledError(TandemLitError, RuntimeError):

@@ -68,7 +68,7 @@ def test_the_forced_token_is_the_juniors_top_token_and_the_senior_continues_gree
 def test_a_junior_identical_to_the_senior_leaves_nothing_to_force(small_model, small_tok):
     module = module_with(small_model, small_tok, small_model)
     solo = module.rollout(ROWS, SoloHandoff("senior"), module.test_sampling, key=0)
-    outcomes = forced_token_outcomes(module, solo, key=0)
+    outcomes = forced_token_outcomes(module, ROWS, solo, key=0)
     assert len(outcomes) == 4
     assert all(o.position is None and o.correct == o.solo_correct for o in outcomes)
 
@@ -76,8 +76,8 @@ def test_a_junior_identical_to_the_senior_leaves_nothing_to_force(small_model, s
 def test_outcomes_are_reproducible_and_positions_lie_inside_the_text(small_model, other_small_model, small_tok):
     module = module_with(other_small_model, small_tok, small_model)
     solo = module.rollout(ROWS, SoloHandoff("senior"), module.test_sampling, key=0)
-    first = forced_token_outcomes(module, solo, key=0)
-    assert first == forced_token_outcomes(module, solo, key=0)
+    first = forced_token_outcomes(module, ROWS, solo, key=0)
+    assert first == forced_token_outcomes(module, ROWS, solo, key=0)
     lengths = solo.rollout.lengths.tolist()
     forced = [(o, n) for o, n in zip(first, lengths) if o.position is not None]
     assert forced, "the two random models never disagreed: the test has no teeth"

@@ -18,6 +18,7 @@ import inspect
 from abc import ABC, abstractmethod
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tandem_lit.errors import ConfigError
@@ -171,6 +172,23 @@ class RolloutEngine(ABC):
         """Rollouts for a batch of prompts (one row per rollout)."""
 
 
+def model_prompts(prompts: PromptBatch) -> dict[str, tuple[Tensor, Tensor]]:
+    """Each model's (input_ids, attention_mask), left-padded to one width. The junior reads the
+    batch's ``partner`` prompts when it carries them (its own system prompt or template; the
+    response tokens stay shared), else the senior's."""
+    senior = (prompts.input_ids, prompts.attention_mask)
+    if prompts.partner is None:
+        return {"senior": senior, "junior": senior}
+    junior = (prompts.partner.input_ids.to(senior[0].device), prompts.partner.attention_mask.to(senior[0].device))
+    width = max(senior[0].shape[1], junior[0].shape[1])
+
+    def left_pad(ids: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        extra = width - ids.shape[1]  # padding ids are masked out: any id in the vocabulary serves
+        return F.pad(ids, (extra, 0), value=0), F.pad(mask, (extra, 0), value=0)
+
+    return {"senior": left_pad(*senior), "junior": left_pad(*junior)}
+
+
 class HFEngine(RolloutEngine):
     """Eager tandem loop over Hugging Face forwards with dynamic KV caches (any causal LM).
 
@@ -186,13 +204,14 @@ class HFEngine(RolloutEngine):
     def generate(self, prompts: PromptBatch, policy: HandoffPolicy, sampling: SamplingConfig) -> Rollout:
         device = next(self.senior.parameters()).device
         prompts = prompts.to(device)
+        inputs = model_prompts(prompts)
         decoder = self.decoder(prompts, policy, sampling)
         runners = {
             "senior": _CachedForward(self.senior) if decoder.needs_senior else None,
             "junior": _CachedForward(self.junior) if decoder.needs_junior else None,
         }
         with eval_mode(self.senior, self.junior):
-            logits = {name: r.prefill(prompts.input_ids, prompts.attention_mask) if r else None for name, r in runners.items()}
+            logits = {name: r.prefill(*inputs[name]) if r else None for name, r in runners.items()}
             steps = 0
             for t in range(sampling.max_new_tokens):
                 token = decoder.step(t, logits["senior"], logits["junior"])

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from tandem_lit.errors import ConfigError
 from tandem_lit.rollout.decoder import TandemDecoder
-from tandem_lit.rollout.engine import RolloutEngine, eval_mode
+from tandem_lit.rollout.engine import RolloutEngine, eval_mode, model_prompts
 from tandem_lit.rollout.handoff import HandoffPolicy
 from tandem_lit.rollout.record import PromptBatch, Rollout
 from tandem_lit.rollout.sampling import SamplingConfig
@@ -337,8 +337,10 @@ class _Batch:
         self.capacity, self.length = capacity, length
         self.t = torch.zeros(1, dtype=torch.long, device=device)  # decode step
         self.slot = torch.zeros(1, dtype=torch.long, device=device)  # cache slot of the newest token
-        self.position = torch.zeros(capacity, dtype=torch.long, device=device)  # its rotary position
-        self.valid = torch.zeros(capacity, length, dtype=torch.bool, device=device)  # attendable slots
+        # per model: each may have its own prompt (own system prompt or template), so the same
+        # response token sits at its own rotary position and the padding differs
+        self.position = {name: torch.zeros(capacity, dtype=torch.long, device=device) for name in vocab}
+        self.valid = {name: torch.zeros(capacity, length, dtype=torch.bool, device=device) for name in vocab}
         # float32: sampling and log-probs read them several times; convert once per step
         self.logits = {name: torch.zeros(capacity, vocab[name], dtype=torch.float32, device=device) for name in vocab}
 
@@ -482,12 +484,14 @@ class FastEngine(RolloutEngine):
         junior = buf.logits["junior"][:batch] if decoder.needs_junior else None
         token = decoder.step(buf.t, senior, junior)
         buf.slot.add_(1)
-        buf.position[:batch].add_(1)
-        buf.valid[:batch].index_fill_(1, buf.slot, True)
-        position = buf.position[:batch]
+        for name, logits in (("senior", senior), ("junior", junior)):
+            if logits is not None:
+                buf.position[name][:batch].add_(1)
+                buf.valid[name][:batch].index_fill_(1, buf.slot, True)
 
         def forward(name: str, out: Tensor) -> None:
-            out.copy_(self.models[name].decode(token, position, buf.slot, buf.valid, kv_len, self.triton))
+            position = buf.position[name][:batch]
+            out.copy_(self.models[name].decode(token, position, buf.slot, buf.valid[name], kv_len, self.triton))
 
         if senior is not None and junior is not None and self._overlap():
             # The two forwards are independent until the next step's sampling, and each alone
@@ -541,7 +545,7 @@ class FastEngine(RolloutEngine):
 
     def _zero_counters(self) -> None:
         buf = self._batch
-        for counter in (buf.t, buf.slot, buf.position):
+        for counter in (buf.t, buf.slot, *buf.position.values()):
             counter.zero_()
 
     def _check_weights_in_place(self) -> None:
@@ -560,8 +564,8 @@ class FastEngine(RolloutEngine):
     def generate(self, prompts: PromptBatch, policy: HandoffPolicy, sampling: SamplingConfig) -> Rollout:
         self.check_models(policy)
         device = self.models["senior"].device
-        prompts = prompts.to(device)
-        batch, width = prompts.input_ids.shape
+        inputs = model_prompts(prompts.to(device))
+        batch, width = inputs["senior"][0].shape
         use_graphs = self.cuda_graphs and device.type == "cuda"
         started = time.perf_counter()
         buf = self._ensure_capacity(batch, width + sampling.max_new_tokens)
@@ -580,13 +584,15 @@ class FastEngine(RolloutEngine):
             decoder.reset(prompts.seeds)
             buf.t.zero_()
             buf.slot.fill_(width - 1)
-            buf.position[:batch].copy_(prompts.attention_mask.sum(-1) - 1)
-            buf.valid[:batch].zero_()
-            buf.valid[:batch, :width].copy_(prompts.attention_mask.bool())
+            for name in active:
+                mask = inputs[name][1]
+                buf.position[name][:batch].copy_(mask.sum(-1) - 1)
+                buf.valid[name][:batch].zero_()
+                buf.valid[name][:batch, :width].copy_(mask.bool())
             clock = _PhaseClock(device)
             clock.mark()
             for name in active:
-                buf.logits[name][:batch].copy_(self.models[name].prefill(prompts.input_ids, prompts.attention_mask))
+                buf.logits[name][:batch].copy_(self.models[name].prefill(*inputs[name]))
             clock.mark()
             steps = 0
             for t in range(sampling.max_new_tokens):
@@ -599,7 +605,7 @@ class FastEngine(RolloutEngine):
                     break
             clock.mark()
         self._last_phases = (clock, steps, setup_seconds, width)
-        return decoder.finish(prompts, self.tokenizer, steps)
+        return decoder.finish(prompts.to(device), self.tokenizer, steps)
 
     def last_timing(self) -> dict[str, float]:
         """Where the last ``generate`` spent its time: setup seconds (cache allocation and graph
