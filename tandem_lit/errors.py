@@ -24,3 +24,7 @@ class ModelSourceError(TandemLitError, OSError):
 
 class NonFiniteGradientError(TandemLitError, FloatingPointError):
     """An update's gradient is NaN or infinite: it is not applied, and the run stops."""
+
+
+class MissingDependencyError(TandemLitError, ImportError):
+    """An optional dependency the chosen component needs is not installed."""

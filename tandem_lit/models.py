@@ -15,7 +15,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from tandem_lit.errors import ModelSourceError
+from tandem_lit.errors import ConfigError, MissingDependencyError, ModelSourceError
 from tandem_lit.paths import looks_local, missing_path_message
 
 log = logging.getLogger(__name__)
@@ -136,6 +136,8 @@ def load_causal_lm(source: ModelSource, quantization_config=None) -> nn.Module:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(source.init_seed)
                 model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=source.trust_remote_code)
+            if quantization_config is not None:
+                model = quantized_copy(model, quantization_config)
         else:
             model = AutoModelForCausalLM.from_pretrained(
                 path,
@@ -143,11 +145,40 @@ def load_causal_lm(source: ModelSource, quantization_config=None) -> nn.Module:
                 dtype=dtype,
                 attn_implementation=source.attn_implementation,
                 quantization_config=quantization_config,
+                device_map=quantized_device_map(quantization_config),
                 **common,
             )
     except (OSError, ValueError) as err:
         raise _hub_error(source, err) from err
     return model
+
+
+def quantized_device_map(quantization_config) -> dict[str, int] | None:
+    """4-bit weights are quantized as they load, on the device they load to: this process's GPU
+    (Lightning sets it per rank before ``configure_model``). Loading them on the host would leave
+    the base on the CPU, where no later ``.to()`` re-quantizes it."""
+    if quantization_config is None:
+        return None
+    if not torch.cuda.is_available():
+        raise ConfigError("QLoRA (lora.load_in_4bit) needs a CUDA GPU; on this machine use LoRA over full-precision weights")
+    return {"": torch.cuda.current_device()}
+
+
+def quantized_copy(model: nn.Module, quantization_config) -> nn.Module:
+    """A random-init model quantized the way a hub checkpoint would be: saved to a temporary
+    folder and loaded back through ``from_pretrained(quantization_config=...)`` (the real path; a
+    QLoRA run on random weights must not quietly train a full-precision base)."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory(prefix="tandem-lit-quantize-") as folder:
+        model.save_pretrained(folder)
+        dtype = next(model.parameters()).dtype
+        del model
+        return AutoModelForCausalLM.from_pretrained(
+            folder, dtype=dtype, quantization_config=quantization_config, device_map=quantized_device_map(quantization_config)
+        )
 
 
 def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
@@ -174,7 +205,10 @@ def quantization_config(settings: LoraSettings | None):
     try:
         import bitsandbytes  # noqa: F401
     except ImportError as err:
-        raise ImportError("lora.load_in_4bit needs bitsandbytes: pip install 'tandem-lit[qlora]'") from err
+        raise MissingDependencyError(
+            "lora.load_in_4bit (QLoRA) needs bitsandbytes and a CUDA GPU: pip install 'tandem-lit[qlora]' "
+            f"({err}); or set lora.load_in_4bit: false for a LoRA run over full-precision base weights"
+        ) from err
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)

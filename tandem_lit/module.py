@@ -788,13 +788,18 @@ def engine_phases(timing: dict[str, float]) -> dict[str, float]:
 
 
 def default_engine(senior: nn.Module, junior: nn.Module | None) -> RolloutEngine:
-    """FastEngine where it supports both models; otherwise HFEngine, said loudly (never silently)."""
+    """FastEngine where it supports both models; otherwise HFEngine, said loudly (never silently).
+
+    The senior's architecture is what counts: FastEngine decodes its own bf16 copy of it (LoRA
+    merged, a 4-bit QLoRA base dequantised), so its training weights may be of any kind. The
+    frozen junior is decoded in place, so its weights must be plain too."""
     from tandem_lit.rollout.fast import StaticDecoderModel
+    from tandem_lit.rollout.weights import plain_model
 
     try:
-        for model in (senior, junior):
-            if model is not None:
-                StaticDecoderModel(model)
+        StaticDecoderModel.check_architecture(plain_model(senior).config)
+        if junior is not None:
+            StaticDecoderModel(junior)
     except ConfigError as reason:
         log.warning(
             "FALLING BACK to HFEngine, the per-token reference loop (4.6-12x slower rollouts than FastEngine on a "

@@ -170,18 +170,7 @@ class StaticDecoderModel:
     def __init__(self, model: nn.Module):
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         config = base.config
-        model_type = getattr(config, "model_type", None)
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(
-                f"FastEngine supports {', '.join(SUPPORTED_MODEL_TYPES)} architectures, not {model_type!r}; "
-                "set the engine to HFEngine for this model"
-            )
-        rope = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None) or {}
-        rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
-        if rope_type not in _POSITION_ONLY_ROPE:
-            raise ConfigError(f"FastEngine needs position-only rotary embeddings, not rope_type={rope_type!r}; use HFEngine")
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise ConfigError(f"FastEngine supports SiLU MLPs, not hidden_act={config.hidden_act!r}; use HFEngine")
+        self.check_architecture(config)
         self.model = model
         self.config = config
         self.sliding_window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
@@ -201,6 +190,22 @@ class StaticDecoderModel:
         self.k_cache: list[Tensor] = []
         self.v_cache: list[Tensor] = []
         self.cos = self.sin = None
+
+    @staticmethod
+    def check_architecture(config) -> None:
+        """Raise ConfigError naming what FastEngine cannot decode in this model config."""
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"FastEngine supports {', '.join(SUPPORTED_MODEL_TYPES)} architectures, not {model_type!r}; "
+                "set the engine to HFEngine for this model"
+            )
+        rope = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None) or {}
+        rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+        if rope_type not in _POSITION_ONLY_ROPE:
+            raise ConfigError(f"FastEngine needs position-only rotary embeddings, not rope_type={rope_type!r}; use HFEngine")
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ConfigError(f"FastEngine supports SiLU MLPs, not hidden_act={config.hidden_act!r}; use HFEngine")
 
     def first_weight_ptr(self) -> int:
         return self.embed.weight.data_ptr()

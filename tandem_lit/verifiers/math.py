@@ -43,7 +43,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from typing import Any
 
-from tandem_lit.errors import ConfigError, DataError, TandemLitError
+from tandem_lit.errors import ConfigError, DataError, MissingDependencyError
 from tandem_lit.verifiers import math_grader
 from tandem_lit.verifiers.base import Grade, Verifier
 from tandem_lit.verifiers.math_grader import (
@@ -59,10 +59,6 @@ __all__ = ["MathVerifier", "MissingDependencyError", "extract_boxed", "normalize
 
 MATH_VERIFY_VERSION = "0.9.0"  # the pin in pyproject.toml's `math` extra
 RULES_VERSION = 1  # bump when the rules in math_grader.py change (the grader version keys the cache)
-
-
-class MissingDependencyError(TandemLitError, ImportError):
-    """An optional dependency the chosen component needs is not installed."""
 
 
 def require_math_verify(version: str | None) -> str:
