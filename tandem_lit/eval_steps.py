@@ -57,6 +57,10 @@ class EvaluationSteps:
                 if 1 < k <= samples:
                     out[f"eval/{mode}_pass_at_{k}"] = (sum(pass_at_k(samples, c, k) for c in correct) / len(rows), len(rows))
             out[f"eval/{mode}_jargon_rate"] = (self.jargon.rate(result.rollout.texts), n)
+            if self.language is not None:
+                shares = [s for s in self.language.shares(result.rollout.texts) if s is not None]
+                if shares:  # (texts with no identifiable language, e.g. bare equations, do not count)
+                    out[f"eval/{mode}_language_share"] = (sum(shares) / len(shares), len(shares))
             for name, measured in label_means(result.grades).items():  # the verifier's own (elegance, tests passed)
                 out[f"eval/{mode}_{name}"] = measured
             out[f"eval/{mode}_response_length"] = (float(result.rollout.lengths.float().mean()), n)

@@ -34,9 +34,18 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
-from tandem_lit.distributed import all_reduce_sum, balance, full_value, max_over_ranks, rank_rows, reduce_metrics
+from tandem_lit.distributed import (
+    all_reduce_sum,
+    balance,
+    full_value,
+    max_over_ranks,
+    merge_totals,
+    rank_rows,
+    reduce_metrics,
+)
 from tandem_lit.errors import ConfigError, NonFiniteGradientError
 from tandem_lit.eval_steps import EvalMode, EvaluationSteps
+from tandem_lit.language import LanguageShare
 from tandem_lit.logprobs import avoid_cudnn_attention_backward, completion_logprobs
 from tandem_lit.memory import GIB, ModelShape, OptimizerOffload, StepSettings, estimate_step_memory, pack_by_tokens
 from tandem_lit.metrics import JargonDetector, LogprobGap, rollout_stats
@@ -120,6 +129,9 @@ class TandemModule(EvaluationSteps, L.LightningModule):
             accuracy is measured the same way.
         evaluate_at_start: Validate once before the first update (logged at step 0).
         jargon_pattern: Regex whose match marks a solution as using jargon.
+        language: The language share of rollouts and evaluations (``LanguageShare``:
+            ``train/language_share``, ``train/senior_language_share``, ``eval/<mode>_language_share``;
+            docs/language.md). None: not measured.
         authorship_z: Fail when the junior's share of handoff draws is further than this many
             standard deviations from ``handoff.p`` (an engine that ignores the policy).
         completions_every_n_steps: Append sample completions, spans marked by author, to
@@ -159,6 +171,7 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         eval_handoff: HandoffPolicy | None = None,
         evaluate_at_start: bool = True,
         jargon_pattern: str = r"<<[^<>\n]*>>",
+        language: LanguageShare | None = None,
         authorship_z: float = 6.0,
         completions_every_n_steps: int = 10,
         completions_per_log: int = 4,
@@ -206,6 +219,7 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         self.eval_handoff = eval_handoff or handoff
         self.evaluate_at_start = evaluate_at_start
         self.jargon = JargonDetector(jargon_pattern)
+        self.language = language
         self.authorship_z = authorship_z
         self.completions_every_n_steps = completions_every_n_steps
         self.completions_per_log = completions_per_log
@@ -520,7 +534,9 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         else:
             update_metrics = self.optimise(result)
             stats = rollout_stats(result.rollout, result.rewards, result.correct, result.group, self.jargon)
-            stats.update({name: mean for name, (mean, _) in label_means(result.grades).items()})
+            if self.language is not None:  # of the whole text and of each author's own words
+                rollout = result.rollout
+                stats.update(self.language.stats([rollout.spans(i, self.tokenizer) for i in range(len(rollout.texts))]))
             stats.update(update_metrics)
             stats.update(sampling_stats)
             stats["tokens_per_second"] = float(result.rollout.lengths.sum()) / max(generated - started, 1e-9)
@@ -533,6 +549,12 @@ class TandemModule(EvaluationSteps, L.LightningModule):
             stats["optimizer_offload_seconds"] = offload_seconds
         if self.device.type == "cuda":
             stats["peak_memory_gb"] = torch.cuda.max_memory_allocated(self.device) / GIB
+        # the verifier's labels (elegance, tests passed...): means over the grades that carry them,
+        # summed over ranks before dividing (ranks hold different numbers of, e.g., correct solutions)
+        labels = {name: [mean * count, count] for name, (mean, count) in label_means(result.grades).items()} if result is not None else {}
+        if self.trainer.world_size > 1:
+            labels = merge_totals(labels)
+        stats.update({name: total / count for name, (total, count) in labels.items()})
         if self.trainer.world_size > 1:
             stats = reduce_metrics(stats)
         row = {f"train/{k}": v for k, v in stats.items()}

@@ -241,3 +241,24 @@ def test_rollouts_in_engine_sized_chunks_equal_one_engine_call():
     assert chunked.rollout.texts == whole.rollout.texts
     assert chunked.group.tolist() == whole.group.tolist() == [g for g in range(5) for _ in range(3)]
     assert torch.equal(chunked.rollout.author[:, :5], whole.rollout.author[:, :5])
+
+
+def test_language_share_is_logged_for_training_rollouts_and_each_eval_mode(tmp_path):
+    pytest.importorskip("py3langid")
+    from tandem_lit.language import LanguageShare
+
+    module = tandem_module(
+        language=LanguageShare(language="fr", languages=["en", "fr"], min_chars=1),
+        sampling=SamplingConfig(temperature=1.0, n=2, max_new_tokens=40), eval_modes=["senior", "tandem"],
+        eval_sampling=SamplingConfig(temperature=1.0, max_new_tokens=40),
+    )
+    trainer = L.Trainer(
+        max_steps=1, logger=False, enable_checkpointing=False, accelerator="cpu", devices=1, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=str(tmp_path), limit_val_batches=1, val_check_interval=1,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(module, datamodule=GSM8KDataModule(source="data/gsm8k-sample", val_size=4, batch_size=2))
+    train = next(row for row in module.history if "train/loss" in row)
+    assert 0.0 <= train["train/language_share"] <= 1.0 and 0.0 <= train["train/senior_language_share"] <= 1.0
+    evaluated = next(row for row in module.history if "eval/senior_accuracy" in row)
+    assert 0.0 <= evaluated["eval/senior_language_share"] <= 1.0 and 0.0 <= evaluated["eval/tandem_language_share"] <= 1.0
