@@ -1,6 +1,7 @@
-"""The ``tandem-lit`` command: LightningCLI over TandemModule and a PromptDataModule.
+"""The ``tandem-lit`` command: LightningCLI over TandemModule (or SFTModel) and a PromptDataModule.
 
     tandem-lit fit  --config configs/demo.yaml
+    tandem-lit fit  --config configs/paper_a/sft_jargon_llama2.yaml
     tandem-lit test --config configs/eval/math_handoff.yaml
     tandem-lit fit  --config configs/gsm8k_tiny.yaml --print_config
 
@@ -18,6 +19,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import lightning as L
 from jsonargparse import Namespace
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI
@@ -25,6 +27,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 import tandem_lit.data  # noqa: F401  (short class_path names)
+import tandem_lit.data.sft_data  # noqa: F401
 import tandem_lit.objectives  # noqa: F401
 import tandem_lit.rollout  # noqa: F401
 import tandem_lit.verifiers  # noqa: F401
@@ -40,8 +43,9 @@ from tandem_lit.callbacks import (
 from tandem_lit.data.base import PromptDataModule
 from tandem_lit.distributed import FSDP2Strategy
 from tandem_lit.errors import ConfigError, TandemLitError
-from tandem_lit.module import TandemModule
+from tandem_lit.module import TandemModule  # noqa: F401  (short class_path names)
 from tandem_lit.runs import RUN_RECORD, read_run_record
+from tandem_lit.sft import SFTModel  # noqa: F401
 
 RUN_FOLDER_ENV = "TANDEM_LIT_RUN_FOLDER"
 
@@ -147,7 +151,7 @@ def build_cli(args: list[str] | None = None, run: bool = True) -> TandemCLI:
     config without a subcommand and build the objects only."""
     configure_logs()
     return TandemCLI(
-        TandemModule,
+        L.LightningModule,  # TandemModule (tandem RL) or SFTModel (supervised, tandem_lit.sft)
         PromptDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,

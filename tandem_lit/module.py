@@ -410,24 +410,11 @@ class TandemModule(EvaluationSteps, L.LightningModule):
     # --------------------------------------------------------------------------------- rollouts
 
     def uses_chat_template(self, tokenizer, fmt: PromptFormat | None = None) -> bool:
-        fmt = fmt or self.prompt_format
-        has_template = bool(getattr(tokenizer, "chat_template", None))
-        if fmt.chat_template and not has_template:
-            raise ConfigError("prompt_format.chat_template is true but a model's tokenizer has no chat template")
-        return has_template if fmt.chat_template is None else fmt.chat_template
+        return (fmt or self.prompt_format).uses_chat_template(tokenizer)
 
     def format_prompt(self, prompt: str, tokenizer=None, fmt: PromptFormat | None = None) -> str:
-        """The model input for a row's prompt: its template, then the chat template around it (or the text as is)."""
-        tokenizer = tokenizer or self.tokenizer
-        fmt = fmt or self.prompt_format
-        prompt = fmt.text(prompt)
-        if not self.uses_chat_template(tokenizer, fmt):
-            return prompt
-        messages = ([{"role": "system", "content": fmt.system_prompt}] if fmt.system_prompt else []) + [
-            {"role": "user", "content": prompt}
-        ]
-        extra = {"enable_thinking": fmt.enable_thinking} if fmt.enable_thinking is not None else {}
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+        """The model input for a row's prompt (``PromptFormat.render``; the senior's format by default)."""
+        return (fmt or self.prompt_format).render(prompt, tokenizer or self.tokenizer)
 
     def encode_prompts(self, prompts: list[str], tokenizer=None, padding: bool = True, fmt: PromptFormat | None = None) -> dict:
         """Token ids of formatted prompts (left-padded; a chat template brings its own special tokens)."""

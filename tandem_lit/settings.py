@@ -42,6 +42,24 @@ class PromptFormat:
     def text(self, prompt: str) -> str:
         return prompt if self.template is None else self.template.format(prompt=prompt)
 
+    def uses_chat_template(self, tokenizer) -> bool:
+        has_template = bool(getattr(tokenizer, "chat_template", None))
+        if self.chat_template and not has_template:
+            raise ConfigError("prompt_format.chat_template is true but a model's tokenizer has no chat template")
+        return has_template if self.chat_template is None else self.chat_template
+
+    def render(self, prompt: str, tokenizer) -> str:
+        """The model input for a row's prompt: the template, then the chat template around it
+        (a user message after the optional system message), or the text as is."""
+        prompt = self.text(prompt)
+        if not self.uses_chat_template(tokenizer):
+            return prompt
+        messages = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else []) + [
+            {"role": "user", "content": prompt}
+        ]
+        extra = {"enable_thinking": self.enable_thinking} if self.enable_thinking is not None else {}
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+
 
 class TrainingStalledError(TandemLitError, RuntimeError):
     """Training cannot make progress with these settings."""
