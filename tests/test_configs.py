@@ -56,8 +56,9 @@ def test_the_issue_configs_are_shipped():
 @pytest.mark.parametrize("config", SHIPPED)
 def test_every_shipped_config_parses(config, capsys):
     resolved = printed(config, capsys)
-    assert resolved["model"]["class_path"] == "tandem_lit.module.TandemModule"
-    assert resolved["data"]["class_path"].startswith("tandem_lit.data.")
+    supervised = Path(config).name.startswith("sft_")  # SFT configs: SFTModel over SFT rows (tandem_lit.sft)
+    assert resolved["model"]["class_path"] == ("tandem_lit.sft.SFTModel" if supervised else "tandem_lit.module.TandemModule")
+    assert resolved["data"]["class_path"].startswith("tandem_lit.data.sft_data." if supervised else "tandem_lit.data.")
 
 
 @pytest.mark.parametrize("config", RLVR + [EVAL])
@@ -317,3 +318,61 @@ def test_eval_config_tests_the_selected_checkpoint_with_tiny_models(tandem_run, 
     assert "test/macro/solo_pass_at_2" in run.data.metrics and "test/aime24/handoff_pass_at_1" in run.data.metrics
     logged = {a.path for a in client.list_artifacts(run.info.run_id, "eval")}
     assert logged == {"eval/results.json", "eval/results.md", "eval/pass_at_k.png"}
+
+
+# ------------------------------------------------------------ Tandem Training's settings (paper A)
+
+PAPER_A = ["configs/paper_a/skill_gap.yaml", "configs/paper_a/skill_gap_cj.yaml", "configs/paper_a/skill_language_fr.yaml",
+           "configs/paper_a/skill_language_fr_cj.yaml", "configs/paper_a/language_gap.yaml", "configs/paper_a/control.yaml"]
+
+
+def test_paper_a_configs_are_shipped_and_cite_their_sources():
+    assert set(PAPER_A) <= set(SHIPPED)
+    for config in PAPER_A + ["configs/paper_a/sft_jargon_llama2.yaml"]:
+        text = (REPO_ROOT / config).read_text()
+        header = text[: text.index("\ntrainer:")]
+        assert "REFERENCES.md" in header and "Tandem Training" in header, config
+        assert "huggingface-cli login" in text or "skill_gap.yaml" in header, config  # how to supply gated Llama-2
+
+
+@pytest.mark.parametrize("config", PAPER_A)
+def test_paper_a_configs_hold_the_paper_numbers(config, capsys):
+    """REFERENCES.md, Tandem Training: QLoRA 4-bit rank 16 all linear layers, word handoff p = 0.5,
+    REINFORCE on correct rollouts (junior tokens unmasked), 2 rollouts, temperature 0.7 / greedy
+    test; the appendix's (c, j) = (-0.5, 0.2) skill gap and (-0.3, 0.35) French."""
+    model = printed(config, capsys)["model"]["init_args"]
+    assert {"r": 16, "target_modules": "all-linear", "load_in_4bit": True}.items() <= model["lora"].items()
+    assert {"n": 2, "temperature": 0.7}.items() <= model["sampling"].items()
+    assert model["eval_sampling"]["temperature"] == 0.0 and model["test_sampling"]["temperature"] == 0.0
+    objective = model["objective"]["init_args"]
+    expected = {"skill_gap_cj": (-0.5, 0.2), "skill_language_fr_cj": (-0.3, 0.35)}.get(Path(config).stem, (0.0, 1.0))
+    assert (objective["failed_weight"], objective["junior_weight"]) == expected
+    handoff = model["handoff"] if not config.endswith("control.yaml") else model["eval_handoff"]
+    assert handoff["class_path"] == "tandem_lit.rollout.WordHandoff" and handoff["init_args"]["p"] == 0.5
+    if config.endswith("control.yaml"):
+        assert model["handoff"]["class_path"] == "tandem_lit.rollout.SoloHandoff"
+    french = "language" in config
+    assert (model["language"] is not None) == french
+    if french:
+        assert "français" in model["junior_prompt_format"]["template"]
+    assert model["junior"]["path"] == "meta-llama/Llama-2-7b-chat-hf"
+
+
+@pytest.mark.parametrize("config", PAPER_A)
+def test_paper_a_configs_run_a_step_with_tiny_models(config, tmp_path, run_folder):
+    root = run_folder(tmp_path / "run")
+    main(args=[
+        "fit", "--config", config, "--trainer.default_root_dir", str(root), "--trainer.accelerator", "cpu",
+        "--trainer.precision", "32-true", "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+        "--trainer.max_steps", "1", "--trainer.val_check_interval", "1", "--trainer.limit_val_batches", "1",
+        "--model.init_args.senior", tiny_model("senior", 1), "--model.init_args.junior", tiny_model("junior", 2),
+        "--model.init_args.lora", "{r: 4, alpha: 8, dropout: 0.0, load_in_4bit: false}",  # no 4-bit on a CPU
+        "--model.init_args.sampling.max_new_tokens", "12", "--model.init_args.eval_sampling.max_new_tokens", "12",
+        "--data.init_args.source", "data/gsm8k-sample", "--data.init_args.val_size", "2",
+        "--data.init_args.batch_size", "2", "--data.init_args.eval_batch_size", "2",
+    ])
+    history = [json.loads(line) for line in (root / "history.jsonl").read_text().splitlines()]
+    train = next(row for row in history if "train/loss" in row)
+    share = train["train/junior_token_share"]
+    assert share == 0.0 if config.endswith("control.yaml") else 0.0 < share < 1.0
+    assert any("eval/tandem_accuracy" in row for row in history) and "train/jargon_rate" in train
