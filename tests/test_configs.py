@@ -376,3 +376,90 @@ def test_paper_a_configs_run_a_step_with_tiny_models(config, tmp_path, run_folde
     share = train["train/junior_token_share"]
     assert share == 0.0 if config.endswith("control.yaml") else 0.0 < share < 1.0
     assert any("eval/tandem_accuracy" in row for row in history) and "train/jargon_rate" in train
+
+
+# --------------------------------------------------------- the extension's code and elegance runs
+
+APPS_CONFIGS = ["configs/ext/apps_tandem.yaml", "configs/ext/apps_grpo.yaml"]
+HARP_CONFIGS = ["configs/ext/harp_elegance_tandem.yaml", "configs/ext/harp_elegance_grpo.yaml"]
+
+
+@pytest.mark.parametrize("config", APPS_CONFIGS + HARP_CONFIGS)
+def test_extension_configs_hold_the_rlvr_numbers_and_their_own(config, capsys):
+    resolved = printed(config, capsys)
+    model, data = resolved["model"]["init_args"], resolved["data"]
+    header = (REPO_ROOT / config).read_text().split("\ntrainer:")[0]
+    assert "000_d6edda8204a39671" in header and "REFERENCES.md" in header
+    # "otherwise identical hyperparameters" (REFERENCES.md, the replication/extension)
+    objective = model["objective"]["init_args"]
+    assert {"clip_low": 0.2, "clip_high": 0.2, "kl_coef": 0.0, "junior_weight": 0.0}.items() <= objective.items()
+    assert model["optimizer"]["init_args"]["lr"] == 1e-6 and model["mini_batch_size"] == 8
+    assert {"n": 8, "temperature": 0.6, "max_new_tokens": 3000}.items() <= model["sampling"].items()
+    assert data["init_args"]["batch_size"] == 16 and resolved["trainer"]["max_steps"] == 400
+    tandem = "tandem" in config
+    assert (model["handoff"]["class_path"] == "tandem_lit.rollout.WordHandoff") == tandem
+    if config in APPS_CONFIGS:
+        assert model["verifier"]["class_path"] == "tandem_lit.verifiers.CodeVerifier"
+        assert model["verifier"]["init_args"]["reward"] == "all" and model["test_forced_token"] is tandem
+        assert data["class_path"] == "tandem_lit.data.APPSDataModule"
+    else:
+        verifier = model["verifier"]
+        assert verifier["class_path"] == "tandem_lit.verifiers.EleganceVerifier" and verifier["init_args"]["bonus"] == 0.5
+        assert verifier["init_args"]["verifier"]["class_path"] == "tandem_lit.verifiers.MathVerifier"
+        assert verifier["init_args"]["judge"]["class_path"] == "tandem_lit.verifiers.HTTPJudge"
+        assert data["class_path"] == "tandem_lit.data.HARPDataModule"
+        assert data["init_args"]["min_solutions"] == 2 and data["init_args"]["exclude_years"] == [2023, 2024, 2025]
+        assert model["senior"]["path"] == "Qwen/Qwen3.5-9B"
+
+
+TINY_EXT = [
+    "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+    "--trainer.precision", "32-true", "--trainer.max_steps", "2", "--trainer.val_check_interval", "1",
+    "--trainer.limit_val_batches", "1", "--data.init_args.batch_size", "4", "--model.init_args.mini_batch_size", "2",
+    "--model.init_args.prompt_format.chat_template", "false", "--model.init_args.sampling.n", "2",
+    "--model.init_args.sampling.max_new_tokens", "8", "--model.init_args.eval_sampling.max_new_tokens", "8",
+    "--model.init_args.evaluate_at_start", "false", "--data.init_args.val_size", "2", "--data.init_args.eval_batch_size", "2",
+]
+
+
+def tiny_pair(config: str) -> list[str]:
+    models = ["--model.init_args.senior", tiny_model("senior", 1)]
+    return models + (["--model.init_args.junior", tiny_model("junior", 2)] if "tandem" in config else [])
+
+
+@pytest.mark.parametrize("config", APPS_CONFIGS)
+def test_apps_configs_run_a_step_with_tiny_models(config, tmp_path, run_folder):
+    records = [{"problem_id": i, "question": f"Read n, print n + {i}.", "starter_code": "",
+                "input_output": json.dumps({"inputs": ["1\n"], "outputs": [f"{1 + i}\n"]})} for i in range(8)]
+    source = tmp_path / "apps.jsonl"
+    source.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    root = run_folder(tmp_path / "run")
+    main(args=["fit", "--config", config, "--trainer.default_root_dir", str(root), *TINY_EXT, *tiny_pair(config),
+               "--model.init_args.verifier.init_args.workers", "1", "--data.init_args.source", str(source)])
+    history = [json.loads(line) for line in (root / "history.jsonl").read_text().splitlines()]
+    train = next(row for row in history if "train/loss" in row)
+    assert train["train/tests_passed_fraction"] == 0.0  # random tiny models write no program that passes
+    assert any("eval/senior_accuracy" in row for row in history)
+
+
+@pytest.mark.parametrize("config", HARP_CONFIGS)
+def test_harp_elegance_configs_run_a_step_with_tiny_models_and_a_standin_judge(config, tmp_path, run_folder):
+    import zipfile
+
+    from judge_standin import StandinJudge
+
+    records = [{"year": str(2000 + i), "contest": "AIME_I", "number": i, "level": 5, "subject": "algebra",
+                "multiple_choice_only": False, "problem": f"What is {i} + 1?", "answer": str(i + 1), "num_solutions": 2}
+               for i in range(8)]
+    source = tmp_path / "HARP.jsonl.zip"
+    with zipfile.ZipFile(source, "w") as archive:
+        archive.writestr("HARD-Math.jsonl", "\n".join(json.dumps(r) for r in records) + "\n")
+    root = run_folder(tmp_path / "run")
+    with StandinJudge(key=None) as judge:
+        main(args=["fit", "--config", config, "--trainer.default_root_dir", str(root), *TINY_EXT, *tiny_pair(config),
+                   "--model.init_args.verifier.init_args.verifier.init_args.workers", "1",
+                   "--model.init_args.verifier.init_args.judge.init_args.base_url", judge.base_url,
+                   "--model.init_args.verifier.init_args.judge.init_args.model", "standin",
+                   "--data.init_args.source", str(source)])
+    history = [json.loads(line) for line in (root / "history.jsonl").read_text().splitlines()]
+    assert any("train/loss" in row for row in history) and any("eval/senior_accuracy" in row for row in history)

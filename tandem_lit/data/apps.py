@@ -76,7 +76,8 @@ class APPSDataModule(PromptDataModule):
     Args:
         source: Hub name (``codeparrot/apps``), a JSON/JSONL file, or a folder of them.
         files: Files to read from a ``source`` folder (default: every .json/.jsonl in it).
-        hub_split: Split of a hub source.
+        hub_split: Split of a hub ``source`` (training and validation rows).
+        eval_split: Split of hub ``eval_sources``.
         difficulties: Keep only these APPS difficulties (``introductory``, ``interview``,
             ``competition``); None keeps all (records without the field are kept).
         val_size: Problems held out of training (seeded) for validation.
@@ -94,6 +95,7 @@ class APPSDataModule(PromptDataModule):
         source: str = "codeparrot/apps",
         files: list[str] | None = None,
         hub_split: str = "train",
+        eval_split: str = "test",
         difficulties: list[str] | None = None,
         val_size: int = 32,
         train_limit: int | None = None,
@@ -110,6 +112,7 @@ class APPSDataModule(PromptDataModule):
         self.source = source
         self.files = list(files) if files else None
         self.hub_split = hub_split
+        self.eval_split = eval_split
         self.difficulties = list(difficulties) if difficulties else None
         self.val_size = val_size
         self.train_limit = train_limit
@@ -123,19 +126,19 @@ class APPSDataModule(PromptDataModule):
     def dataset_names(self) -> list[str]:
         return list(self.eval_sources)
 
-    def _read(self, source: str, files: list[str] | None = None) -> list[tuple[str, int, dict[str, Any]]]:
+    def _read(self, source: str, split: str, files: list[str] | None = None) -> list[tuple[str, int, dict[str, Any]]]:
         path = Path(source).expanduser()
         if path.is_dir():
             names = files or sorted(p.name for p in path.iterdir() if p.suffix in (".json", ".jsonl"))
             if not names:
                 raise DataError(f"code data folder {path} holds no .json/.jsonl files; pass `files`")
             return [(str(path / n), i, r) for n in names for i, r in enumerate(read_records(path / n))]
-        records = load_table(source, self.hub_split)
+        records = load_table(source, split)
         return [(source, i, r) for i, r in enumerate(records)]
 
-    def _load_rows(self, source: str, dataset: str, files: list[str] | None = None) -> list[dict[str, Any]]:
+    def _load_rows(self, source: str, dataset: str, split: str, files: list[str] | None = None) -> list[dict[str, Any]]:
         unique: dict[str, tuple[str, int, dict[str, Any]]] = {}
-        for where, index, record in self._read(source, files):
+        for where, index, record in self._read(source, split, files):
             if self.difficulties is None or record.get("difficulty", self.difficulties[0]) in self.difficulties:
                 unique.setdefault(problem_key(record), (where, index, record))
         rows, skipped = [], []
@@ -152,7 +155,7 @@ class APPSDataModule(PromptDataModule):
 
     def eval_rows(self, name: str) -> list[dict[str, Any]]:
         if name not in self._eval_rows:
-            self._eval_rows[name] = self._load_rows(self.eval_sources[name], name)[: self.eval_limit]
+            self._eval_rows[name] = self._load_rows(self.eval_sources[name], name, self.eval_split)[: self.eval_limit]
         return self._eval_rows[name]
 
     def load_split(self, split: Split) -> list[dict[str, Any]]:
@@ -161,7 +164,7 @@ class APPSDataModule(PromptDataModule):
                 raise ConfigError("APPSDataModule has no test split: set eval_sources ({name: file or hub name})")
             return [row for name in self.eval_sources for row in self.eval_rows(name)]
         if self._train_rows is None:
-            self._train_rows = self._load_rows(self.source, "apps", self.files)
+            self._train_rows = self._load_rows(self.source, "apps", self.hub_split, self.files)
         train, val = held_out_split(self._train_rows, self.val_size, self.seed)
         return val if split == "val" else train[: self.train_limit]
 
