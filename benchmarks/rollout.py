@@ -9,9 +9,14 @@ CPU micro-benchmark with tiny models (CI-sized machines can see regressions):
 
     python benchmarks/rollout.py --device cpu --tiny
 
+Qwen3.5's hybrid attention (Gated DeltaNet + full attention), 9B / 2B shapes:
+
+    python benchmarks/rollout.py --device cuda --models qwen35-9b-2b --batches 16 64 --new-tokens 256
+
 Every row is measured in the same run; ratios compare rows of that run only. The roofline is
 the bytes one decode step must read (both models' weights + the KV cache at the mean length)
-divided by the copy bandwidth measured in the same run.
+divided by the copy bandwidth measured in the same run; for hybrid models also the
+linear-attention states each step reads and writes.
 """
 
 from __future__ import annotations
@@ -35,6 +40,15 @@ QWEN3_4B = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, 
                 num_key_value_heads=8, head_dim=128)
 QWEN3_1_7B = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
                   num_key_value_heads=8, head_dim=128)
+# Qwen3.5 (hybrid: 3 Gated DeltaNet layers per gated full-attention layer). 9B: transformers'
+# Qwen3_5TextConfig defaults ("Qwen3.5-9B style"). 2B: hidden size 2048 as published; the other
+# sizes are our assumption (no config of it on this machine), scaled like the 9B's.
+QWEN35_9B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=32, num_attention_heads=16,
+                 num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+                 linear_key_head_dim=128, linear_value_head_dim=128, tie_word_embeddings=False)
+QWEN35_2B = dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_attention_heads=8,
+                 num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+                 linear_key_head_dim=128, linear_value_head_dim=128, tie_word_embeddings=True)
 TINY_SENIOR = dict(hidden_size=96, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=24)
 TINY_JUNIOR = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -66,15 +80,50 @@ def build_qwen3(shape: dict, vocab: int, dtype: torch.dtype, device: str, seed: 
     return model.eval().requires_grad_(False)
 
 
+def build_qwen35(shape: dict, vocab: int, dtype: torch.dtype, device: str, seed: int) -> nn.Module:
+    from transformers import Qwen3_5ForCausalLM
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(vocab_size=vocab, eos_token_id=2, pad_token_id=0, bos_token_id=1, **shape)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Qwen3_5ForCausalLM(config).to(dtype)
+    return model.eval().requires_grad_(False)
+
+
 def weight_bytes(model: nn.Module) -> int:
-    # a tied embedding is read once per step (as the LM head); the lookup reads only B rows
-    return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    # a tied embedding is read once per step (as the LM head); an untied input embedding only
+    # for the B rows looked up, so it is not counted
+    params = {id(p): p for p in model.parameters()}
+    embedding = model.get_input_embeddings().weight
+    if embedding is not model.get_output_embeddings().weight:
+        params.pop(id(embedding))
+    return sum(p.numel() * p.element_size() for p in params.values())
+
+
+def full_attention_layers(config) -> int:
+    types = getattr(config, "layer_types", None)
+    return types.count("full_attention") if types else config.num_hidden_layers
 
 
 def kv_bytes_per_token(model: nn.Module) -> int:
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return c.num_hidden_layers * 2 * c.num_key_value_heads * head_dim * next(model.parameters()).element_size()
+    return full_attention_layers(c) * 2 * c.num_key_value_heads * head_dim * next(model.parameters()).element_size()
+
+
+def state_bytes_per_sequence(model: nn.Module) -> int:
+    """Linear-attention state one decode step reads and writes per sequence (read + write counted):
+    the float32 delta-rule state and the convolution window of every linear-attention layer."""
+    c = model.config
+    types = getattr(c, "layer_types", None) or []
+    layers = types.count("linear_attention")
+    if not layers:
+        return 0
+    recurrent = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+    conv_dim = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
+    conv = conv_dim * c.linear_conv_kernel_dim * next(model.parameters()).element_size()
+    return 2 * layers * (recurrent + conv)
 
 
 def copy_bandwidth(device: str) -> float:
@@ -152,6 +201,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true", help="tiny models (CPU regression check)")
+    parser.add_argument("--models", choices=["qwen3-4b-1.7b", "qwen35-9b-2b"], default="qwen3-4b-1.7b",
+                        help="model shapes: Qwen3-4B/1.7B, or Qwen3.5-9B/2B (hybrid linear + full attention)")
     parser.add_argument("--batches", type=int, nargs="+", default=None)
     parser.add_argument("--new-tokens", type=int, nargs="+", default=None)
     parser.add_argument("--prompt", type=int, default=None, help="prompt tokens")
@@ -170,21 +221,29 @@ def main() -> None:
         shapes, vocab, dtype = (TINY_SENIOR, TINY_JUNIOR), 512, torch.float32
         batches, new_tokens, prompt_len, repeats = args.batches or [16], args.new_tokens or [64], args.prompt or 32, args.repeats or 3
         torch.set_num_threads(max(1, torch.get_num_threads()))
+    elif args.models == "qwen35-9b-2b":
+        shapes, vocab, dtype = (QWEN35_9B, QWEN35_2B), 248320, torch.bfloat16
+        batches, new_tokens, prompt_len, repeats = args.batches or [16, 64], args.new_tokens or [256], args.prompt or 128, args.repeats or 1
     else:
         shapes, vocab, dtype = (QWEN3_4B, QWEN3_1_7B), 151936, torch.bfloat16
         batches, new_tokens, prompt_len, repeats = args.batches or [16, 64, 256], args.new_tokens or [256, 1024], args.prompt or 128, args.repeats or 1
     tokenizer = synthetic_tokenizer(vocab)
-    senior = build_qwen3(shapes[0], vocab, dtype, device, seed=0)
-    junior = build_qwen3(shapes[1], vocab, dtype, device, seed=1)
+    build = build_qwen35 if args.models == "qwen35-9b-2b" and not args.tiny else build_qwen3
+    senior = build(shapes[0], vocab, dtype, device, seed=0)
+    junior = build(shapes[1], vocab, dtype, device, seed=1)
     naive, fast = HFEngine(), FastEngine()
     naive.setup(senior, junior, tokenizer)
     fast.setup(senior, junior, tokenizer)
     bandwidth = copy_bandwidth(device)
     senior_w, junior_w = weight_bytes(senior), weight_bytes(junior)
     senior_kv, junior_kv = kv_bytes_per_token(senior), kv_bytes_per_token(junior)
-    name = "tiny" if args.tiny else "Qwen3-4B / Qwen3-1.7B shapes"
+    senior_state, junior_state = state_bytes_per_sequence(senior), state_bytes_per_sequence(junior)
+    name = "tiny" if args.tiny else ("Qwen3.5-9B / Qwen3.5-2B shapes" if args.models == "qwen35-9b-2b" else "Qwen3-4B / Qwen3-1.7B shapes")
     print(f"# device={device} ({torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}) models={name} dtype={dtype}")
     print(f"# weights: senior {senior_w / 1e9:.2f} GB, junior {junior_w / 1e9:.2f} GB; copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    if senior_state or junior_state:
+        print(f"# linear-attention state read+written per sequence per step: senior {senior_state / 1e6:.1f} MB, "
+              f"junior {junior_state / 1e6:.1f} MB")
     header = (f"{'batch':>5} {'new':>5} {'row':<28} {'steps':>5} {'ms/step':>8} {'tok/s':>9} {'roofline':>8} "
               f"{'prefill ms':>10} {'decode ms/step':>14} {'decode roofline':>15}")
     print(header)
@@ -212,8 +271,8 @@ def main() -> None:
                 fast.overlap_junior = True
             mean_len = prompt_len + new / 2
             step_bytes = {
-                "solo": senior_w + batch * mean_len * senior_kv,
-                "tandem": senior_w + junior_w + batch * mean_len * (senior_kv + junior_kv),
+                "solo": senior_w + batch * (mean_len * senior_kv + senior_state),
+                "tandem": senior_w + junior_w + batch * (mean_len * (senior_kv + junior_kv) + senior_state + junior_state),
             }
             measured_rows = []
             for row in rows:

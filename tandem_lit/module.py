@@ -802,13 +802,13 @@ def default_engine(senior: nn.Module, junior: nn.Module | None) -> RolloutEngine
     The senior's architecture is what counts: FastEngine decodes its own bf16 copy of it (LoRA
     merged, a 4-bit QLoRA base dequantised), so its training weights may be of any kind. The
     frozen junior is decoded in place, so its weights must be plain too."""
-    from tandem_lit.rollout.fast import StaticDecoderModel
+    from tandem_lit.rollout.fast import check_architecture, decoder_model
     from tandem_lit.rollout.weights import plain_model
 
     try:
-        StaticDecoderModel.check_architecture(plain_model(senior).config)
+        check_architecture(plain_model(senior).config)
         if junior is not None:
-            StaticDecoderModel(junior)
+            decoder_model(junior)
     except ConfigError as reason:
         log.warning(
             "FALLING BACK to HFEngine, the per-token reference loop (4.6-12x slower rollouts than FastEngine on a "

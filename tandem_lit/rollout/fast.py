@@ -42,7 +42,7 @@ from tandem_lit.rollout.record import PromptBatch, Rollout
 from tandem_lit.rollout.sampling import SamplingConfig
 from tandem_lit.rollout.weights import check_rollout_dtype
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # and Qwen3.5's hybrid attention: hybrid.py
 _POSITION_ONLY_ROPE = ("default", "linear", "llama3", "yarn", None)
 
 
@@ -164,6 +164,27 @@ def _norm(module: nn.Module, x: Tensor) -> Tensor:
     return _rms_norm(x, module.weight, _eps(module))
 
 
+def decoder_model(model: nn.Module):
+    """The decode step for ``model``: ``HybridDecoderModel`` for Qwen3.5's hybrid attention,
+    else ``StaticDecoderModel`` (Llama family). Raises ConfigError naming what is unsupported."""
+    from tandem_lit.rollout.hybrid import HYBRID_MODEL_TYPES, HybridDecoderModel
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if getattr(base.config, "model_type", None) in HYBRID_MODEL_TYPES:
+        return HybridDecoderModel(model)
+    return StaticDecoderModel(model)
+
+
+def check_architecture(config) -> None:
+    """Raise ConfigError naming what FastEngine cannot decode in this model config."""
+    from tandem_lit.rollout.hybrid import HYBRID_MODEL_TYPES, HybridDecoderModel
+
+    if getattr(config, "model_type", None) in HYBRID_MODEL_TYPES:
+        HybridDecoderModel.check_architecture(config)
+    else:
+        StaticDecoderModel.check_architecture(config)
+
+
 class StaticDecoderModel:
     """One Llama-family model's decode step over a static KV cache."""
 
@@ -197,7 +218,7 @@ class StaticDecoderModel:
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
-                f"FastEngine supports {', '.join(SUPPORTED_MODEL_TYPES)} architectures, not {model_type!r}; "
+                f"FastEngine supports {', '.join(SUPPORTED_MODEL_TYPES)} and qwen3_5 architectures, not {model_type!r}; "
                 "set the engine to HFEngine for this model"
             )
         rope = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None) or {}
@@ -418,9 +439,9 @@ class FastEngine(RolloutEngine):
 
     def setup(self, senior: nn.Module, junior: nn.Module | None, tokenizer, junior_tokenizer=None) -> None:
         super().setup(senior, junior, tokenizer, junior_tokenizer)
-        self.models = {"senior": StaticDecoderModel(self.senior)}
+        self.models = {"senior": decoder_model(self.senior)}
         if junior is not None:
-            self.models["junior"] = StaticDecoderModel(junior)
+            self.models["junior"] = decoder_model(junior)
             if self.models["junior"].device != self.models["senior"].device:
                 raise ConfigError("FastEngine needs the senior and junior on the same device")
         self._batch: _Batch | None = None

@@ -11,7 +11,9 @@ fuse that swarm, so one layer runs 8 kernels (with fused q/k/v and gate/up weigh
 - ``silu_mul``: the gated MLP's activation;
 - ``sample_rows`` / ``token_logprobs``: the decoder's inverse-CDF draw (rows from either model's
   logits, optionally restricted to allowed start tokens) and the senior's log-probs, each one
-  pass over the logits instead of a dozen elementwise passes.
+  pass over the logits instead of a dozen elementwise passes;
+- ``gated_delta_step``: the recurrence of a Gated DeltaNet layer (Qwen3.5's linear attention),
+  one read and one write of its float32 state per step (``hybrid.py``).
 
 Numerics follow transformers' eager Llama/Qwen3 code (fp32 norms and softmax, rounding to the
 model dtype where it rounds); results agree to bf16 rounding, not bit for bit.
@@ -292,4 +294,46 @@ def token_logprobs(logits: Tensor, token: Tensor, temperature: float, block: int
     out = torch.empty(batch, dtype=torch.float32, device=logits.device)
     _token_logprob_kernel[(batch,)](logits, token, out, logits.stride(0), 1.0 / temperature,
                                     V=vocab, BLOCK=block, num_warps=8)
+    return out
+
+
+@triton.jit
+def _gated_delta_kernel(state_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, DK: tl.constexpr, DV: tl.constexpr,
+                        BV: tl.constexpr):
+    """One decode step of the gated delta rule for one (sequence, value head) and BV value columns:
+    the [DK, BV] slice of the state is read once and written once."""
+    row = tl.program_id(0)  # sequence * heads + head
+    block = tl.program_id(1)
+    dk = tl.arange(0, DK)
+    dv = block * BV + tl.arange(0, BV)
+    mask = dv < DV
+    offsets = row * DK * DV + dk[:, None] * DV + dv[None, :]
+    state = tl.load(state_ptr + offsets, mask=mask[None, :], other=0.0)
+    k = tl.load(k_ptr + row * DK + dk)
+    q = tl.load(q_ptr + row * DK + dk)
+    v = tl.load(v_ptr + row * DV + dv, mask=mask, other=0.0)
+    decay = tl.exp(tl.load(g_ptr + row))
+    beta = tl.load(beta_ptr + row)
+    state = state * decay
+    remembered = tl.sum(state * k[:, None], axis=0)  # S^T k over this block's columns
+    delta = (v - remembered) * beta
+    state = state + k[:, None] * delta[None, :]
+    out = tl.sum(state * q[:, None], axis=0)
+    tl.store(state_ptr + offsets, state, mask=mask[None, :])
+    tl.store(out_ptr + row * DV + dv, out, mask=mask)
+
+
+def gated_delta_step(state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, block_v: int = 32) -> Tensor:
+    """The gated delta rule's decode step, state updated in place (all float32):
+    ``S = S * exp(g); S += k (beta (v - S^T k))^T; return S^T q``.
+    state [B, H, DK, DV]; q, k [B, H, DK]; v [B, H, DV]; g, beta [B, H] -> [B, H, DV]."""
+    batch, heads, dk, dv = state.shape
+    if dk & (dk - 1):
+        raise ValueError(f"gated_delta_step needs a power-of-two key head size, got {dk}")
+    out = torch.empty(batch, heads, dv, dtype=torch.float32, device=state.device)
+    grid = (batch * heads, triton.cdiv(dv, block_v))
+    _gated_delta_kernel[grid](
+        state, q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), out,
+        DK=dk, DV=dv, BV=block_v,
+    )
     return out

@@ -1,0 +1,282 @@
+"""FastEngine's decode step for hybrid-attention models: Qwen3.5 (Gated DeltaNet + gated full attention).
+
+Qwen3.5 stacks three linear-attention layers (Gated DeltaNet) for every full-attention layer.
+A linear-attention layer keeps, per sequence, a fixed-size state instead of a growing KV cache:
+
+- the short convolution's last ``K`` inputs (``[B, conv_dim, K]``, K = 4), and
+- the delta rule's recurrent state (``[B, value_heads, key_dim, value_dim]``, float32).
+
+Both live in static buffers next to the full-attention layers' KV caches, and one decode step
+updates them in place with torch ops (or one Triton kernel for the recurrence on a GPU), so the
+whole tandem step, both models, is still one CUDA graph. The step, per linear layer:
+
+    x = silu(conv(last K projected inputs))           -> q, k, v (q, k L2-normalised, q / sqrt(dk))
+    S = S * exp(g);  S += k (beta * (v - S^T k))^T    (g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b))
+    o = S^T q  ->  RMSNorm(o) * silu(z)  ->  out_proj
+
+and the full-attention layers differ from Qwen3's by an output gate (``q_proj`` also yields a
+sigmoid gate per head), rotary embeddings on the first quarter of each head only, and
+zero-centred RMSNorm weights (``x * (1 + w)``). The prompt is prefilled by the model's own
+Hugging Face forward, whose cache is then copied into the static buffers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tandem_lit.errors import ConfigError
+
+HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+
+
+def _norm_1p(module: nn.Module, x: Tensor) -> Tensor:
+    """Qwen3.5's zero-centred RMSNorm: normalise in float32, scale by (1 + w), cast back."""
+    out = x.float()
+    out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + module.eps)
+    return (out * (1.0 + module.weight.float())).to(x.dtype)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _l2norm(x: Tensor) -> Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+class _DeltaLayer:
+    """One Gated DeltaNet layer's weights and its static per-sequence state."""
+
+    def __init__(self, module: nn.Module):
+        from tandem_lit.rollout.fast import _Linear
+
+        self.module = module
+        self.qkv, self.z, self.b, self.a = (_Linear(getattr(module, f"in_proj_{n}")) for n in ("qkv", "z", "b", "a"))
+        self.out = _Linear(module.out_proj)
+        self.conv_weight = module.conv1d.weight  # [conv_dim, 1, K]
+        self.kernel = module.conv_kernel_size
+        self.k_heads, self.v_heads = module.num_k_heads, module.num_v_heads
+        self.k_dim, self.v_dim = module.head_k_dim, module.head_v_dim
+        self.key_size = self.k_heads * self.k_dim
+        self.conv_state: Tensor | None = None  # [B, conv_dim, K]
+        self.state: Tensor | None = None  # [B, v_heads, k_dim, v_dim] float32
+
+    def allocate(self, batch: int, device, dtype) -> None:
+        conv_dim = self.conv_weight.shape[0]
+        self.conv_state = torch.zeros(batch, conv_dim, self.kernel, dtype=dtype, device=device)
+        self.state = torch.zeros(batch, self.v_heads, self.k_dim, self.v_dim, dtype=torch.float32, device=device)
+
+    def free(self) -> None:
+        self.conv_state = self.state = None
+
+    def step(self, h: Tensor, triton: bool) -> Tensor:  # [B, H] -> [B, H]
+        batch = h.shape[0]
+        conv_state, state = self.conv_state[:batch], self.state[:batch]
+        # the short causal convolution over the last K inputs, this one included
+        window = torch.cat([conv_state[:, :, 1:], self.qkv(h).unsqueeze(-1)], dim=-1)
+        conv_state.copy_(window)
+        mixed = F.silu((window * self.conv_weight.squeeze(1)).sum(-1))  # [B, conv_dim]
+        q, k, v = mixed.split([self.key_size, self.key_size, self.v_heads * self.v_dim], dim=-1)
+        q = _l2norm(q.view(batch, self.k_heads, self.k_dim).float()) * self.k_dim**-0.5
+        k = _l2norm(k.view(batch, self.k_heads, self.k_dim).float())
+        v = v.view(batch, self.v_heads, self.v_dim).float()
+        group = self.v_heads // self.k_heads
+        if group > 1:  # each key head serves `group` consecutive value heads
+            q, k = q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
+        m = self.module
+        beta = torch.sigmoid(self.b(h)).float()  # [B, Hv]
+        g = -m.A_log.float().exp() * F.softplus(self.a(h).float() + m.dt_bias)
+        if triton:
+            from tandem_lit.rollout import kernels
+
+            out = kernels.gated_delta_step(state, q, k, v, g, beta)
+        else:
+            decayed = state * g.exp()[..., None, None]
+            remembered = (decayed * k.unsqueeze(-1)).sum(-2)  # S^T k: [B, Hv, Dv]
+            delta = (v - remembered) * beta.unsqueeze(-1)
+            updated = decayed + k.unsqueeze(-1) * delta.unsqueeze(-2)
+            out = (updated * q.unsqueeze(-1)).sum(-2)
+            state.copy_(updated)
+        out = out.to(h.dtype)  # the model casts the recurrence's output to its dtype before the norm
+        z = self.z(h).view(batch, self.v_heads, self.v_dim)
+        normed = out.float() * torch.rsqrt(out.float().pow(2).mean(-1, keepdim=True) + m.norm.variance_epsilon)
+        normed = m.norm.weight * normed.to(h.dtype)
+        gated = (normed * F.silu(z.float())).to(h.dtype)
+        return self.out(gated.reshape(batch, self.v_heads * self.v_dim))
+
+
+class _AttentionLayer:
+    """A gated full-attention layer (Qwen3.5): output gate, partial rotary, zero-centred q/k norms."""
+
+    def __init__(self, module: nn.Module):
+        from tandem_lit.rollout.fast import _Linear
+
+        self.module = module
+        self.q, self.k, self.v, self.o = (_Linear(getattr(module, f"{n}_proj")) for n in "qkvo")
+        self.head_dim = module.head_dim
+        self.scaling = module.scaling
+
+
+class HybridDecoderModel:
+    """A Qwen3.5 text model's decode step over static KV caches and linear-attention states
+    (the interface of ``StaticDecoderModel``)."""
+
+    def __init__(self, model: nn.Module):
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        config = base.config
+        self.check_architecture(config)
+        self.model = model
+        self.config = config
+        inner = base.model.language_model if hasattr(base.model, "language_model") else base.model
+        self.decoder_stack = inner
+        self.embed = inner.embed_tokens
+        self.final_norm = inner.norm
+        self.rotary = inner.rotary_emb
+        from tandem_lit.rollout.fast import _Linear
+
+        self.lm_head = _Linear(base.lm_head)
+        self.layer_types = list(config.layer_types)
+        self.blocks = []
+        for layer, kind in zip(inner.layers, self.layer_types):
+            mixer = _DeltaLayer(layer.linear_attn) if kind == "linear_attention" else _AttentionLayer(layer.self_attn)
+            mlp = tuple(_Linear(getattr(layer.mlp, f"{n}_proj")) for n in ("gate", "up", "down"))
+            self.blocks.append((layer, mixer, mlp))
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        weight = self.embed.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        self.k_cache: dict[int, Tensor] = {}
+        self.v_cache: dict[int, Tensor] = {}
+        self.cos = self.sin = None
+
+    @staticmethod
+    def check_architecture(config) -> None:
+        if getattr(config, "model_type", None) not in HYBRID_MODEL_TYPES:
+            raise ConfigError(f"HybridDecoderModel decodes Qwen3.5 text models, not {getattr(config, 'model_type', None)!r}")
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ConfigError(f"FastEngine supports SiLU MLPs, not hidden_act={config.hidden_act!r}; use HFEngine")
+        if any(kind not in ("linear_attention", "full_attention") for kind in config.layer_types):
+            raise ConfigError(f"FastEngine decodes linear- and full-attention layers, not {sorted(set(config.layer_types))}")
+
+    def first_weight_ptr(self) -> int:
+        return self.embed.weight.data_ptr()
+
+    def fuse_projections(self, share: bool) -> None:
+        """(Projections stay separate: the hybrid step runs on torch ops.)"""
+
+    def sync(self) -> None:
+        """Nothing to refresh: the step reads the live parameters."""
+
+    def allocate(self, batch: int, length: int) -> None:
+        self.free()
+        shape = (batch, self.kv_heads, length, self.head_dim)
+        for i, (_, mixer, _) in enumerate(self.blocks):
+            if isinstance(mixer, _DeltaLayer):
+                mixer.allocate(batch, self.device, self.dtype)
+            else:
+                self.k_cache[i] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                self.v_cache[i] = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # Text positions are equal on Qwen3.5's three rotary axes, so its multimodal rotary reduces
+        # to the plain one over its inverse frequencies (built here: the module's own forward
+        # changed its position layout between transformers releases)
+        positions = torch.arange(length, device=self.device, dtype=torch.float32)
+        freqs = positions[:, None] * self.rotary.inv_freq.float().to(self.device)[None, :]
+        table = torch.cat([freqs, freqs], dim=-1)
+        scale = float(getattr(self.rotary, "attention_scaling", 1.0))
+        self.cos = (table.cos() * scale).to(self.dtype)  # [length, rotary_dim]
+        self.sin = (table.sin() * scale).to(self.dtype)
+
+    def free(self) -> None:
+        self.k_cache, self.v_cache = {}, {}
+        for _, mixer, _ in self.blocks:
+            if isinstance(mixer, _DeltaLayer):
+                mixer.free()
+        self.cos = self.sin = None
+
+    @torch.no_grad()
+    def prefill(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:  # -> [B, V]
+        """The model's own forward over the prompts; its cache is copied into the static buffers
+        (keys/values into slots [0, P), the convolution and recurrent states as they end)."""
+        from transformers import DynamicCache
+
+        from tandem_lit.rollout.engine import cache_kwarg
+
+        batch, width = input_ids.shape
+        cache = DynamicCache(config=self.config)
+        positions = (attention_mask.cumsum(-1) - 1).clamp_min(0)
+        hidden = self.decoder_stack(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+            use_cache=True, **{cache_kwarg(self.decoder_stack): cache},
+        ).last_hidden_state
+        for i, (_, mixer, _) in enumerate(self.blocks):
+            if isinstance(mixer, _DeltaLayer):
+                conv, recurrent = linear_attention_states(cache, i)
+                mixer.conv_state[:batch].copy_(conv[..., -mixer.kernel :])
+                mixer.state[:batch].copy_(recurrent)
+            else:
+                from tandem_lit.rollout.fast import _layer_cache
+
+                keys, values = _layer_cache(cache, i)
+                self.k_cache[i][:batch, :, :width].copy_(keys)
+                self.v_cache[i][:batch, :, :width].copy_(values)
+        last = hidden[:, -1:].contiguous()
+        return self.lm_head(last)[:, -1]
+
+    def decode(self, token: Tensor, position: Tensor, slot: Tensor, valid: Tensor, kv_len: int, triton: bool) -> Tensor:
+        """One token per sequence (the interface of ``StaticDecoderModel.decode``): full-attention
+        layers write K/V at ``slot`` and attend to the valid slots below ``kv_len``; linear-attention
+        layers advance their states. ``triton``: the recurrence as one Triton kernel (GPU)."""
+        batch = token.shape[0]
+        kv_len = kv_len if not triton else self.cos.shape[0]  # the Triton engine passes its full length
+        valid = valid[:batch, :kv_len]
+        mask = torch.zeros(valid.shape, dtype=self.dtype, device=self.device).masked_fill_(~valid, torch.finfo(self.dtype).min)
+        mask = mask[:, None, None, :]
+        cos, sin = self.cos[position].unsqueeze(1), self.sin[position].unsqueeze(1)  # [B, 1, rot]
+        x = self.embed.weight[token]
+        for i, (layer, mixer, (gate, up, down)) in enumerate(self.blocks):
+            h = _norm_1p(layer.input_layernorm, x)
+            if isinstance(mixer, _DeltaLayer):
+                x = x + mixer.step(h, triton)
+            else:
+                x = x + self._attend(i, mixer, h, cos, sin, slot, mask, kv_len)
+            h = _norm_1p(layer.post_attention_layernorm, x)
+            x = x + down(F.silu(gate(h)) * up(h))
+        return self.lm_head(_norm_1p(self.final_norm, x))
+
+    def _attend(self, i: int, layer: _AttentionLayer, h: Tensor, cos: Tensor, sin: Tensor, slot: Tensor,
+                mask: Tensor, kv_len: int) -> Tensor:
+        batch, d = h.shape[0], self.head_dim
+        q, gate = layer.q(h).view(batch, self.heads, 2 * d).chunk(2, dim=-1)
+        gate = gate.reshape(batch, self.heads * d)
+        q = _norm_1p(layer.module.q_norm, q)
+        k = _norm_1p(layer.module.k_norm, layer.k(h).view(batch, self.kv_heads, d))
+        v = layer.v(h).view(batch, self.kv_heads, d)
+        rot = cos.shape[-1]  # rotary on the first `rot` dimensions of each head only
+        q = torch.cat([q[..., :rot] * cos + _rotate_half(q[..., :rot]) * sin, q[..., rot:]], dim=-1)
+        k = torch.cat([k[..., :rot] * cos + _rotate_half(k[..., :rot]) * sin, k[..., rot:]], dim=-1)
+        k_cache, v_cache = self.k_cache[i][:batch], self.v_cache[i][:batch]
+        k_cache.index_copy_(2, slot, k.unsqueeze(2))
+        v_cache.index_copy_(2, slot, v.unsqueeze(2))
+        keys, values = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
+        group = self.heads // self.kv_heads
+        q = q.view(batch, self.kv_heads, group, d)
+        scores = torch.matmul(q, keys.transpose(-1, -2)) * layer.scaling + mask
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
+        attended = torch.matmul(probs, values).reshape(batch, self.heads * d)
+        return layer.o(attended * torch.sigmoid(gate))
+
+
+def linear_attention_states(cache, index: int) -> tuple[Tensor, Tensor]:
+    """(convolution state, recurrent state) of linear-attention layer ``index`` in a Hugging Face
+    cache, across the cache layouts of transformers 5.x."""
+    if hasattr(cache, "get_conv_state"):
+        return cache.get_conv_state(index), cache.get_recurrent_state(index)
+    layer = cache.layers[index] if hasattr(cache, "layers") else None
+    if layer is not None and hasattr(layer, "conv_states"):
+        conv, recurrent = layer.conv_states, layer.recurrent_states
+        return (conv[0], recurrent[0]) if isinstance(conv, dict) else (conv, recurrent)
+    return cache.conv_states[index], cache.recurrent_states[index]
