@@ -120,23 +120,29 @@ def test_default_engine_is_the_fast_engine_for_qwen35(models):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels need a GPU")
-def test_triton_recurrence_equals_the_torch_step(tokenizer, models):
-    from tandem_lit.rollout import kernels
+def test_the_triton_step_equals_the_torch_step(tokenizer, models):
+    """A linear-attention layer's two Triton kernels (convolution; normalisation, recurrence, gated
+    norm) against its torch step, states included; then whole rollouts on both paths."""
+    from tandem_lit.rollout.hybrid import _DeltaLayer
 
-    torch.manual_seed(0)
-    state = torch.randn(3, 4, 16, 32, device="cuda")
-    q, k = (torch.nn.functional.normalize(torch.randn(3, 4, 16, device="cuda"), dim=-1) for _ in range(2))
-    v = torch.randn(3, 4, 32, device="cuda")
-    g, beta = -torch.rand(3, 4, device="cuda"), torch.rand(3, 4, device="cuda")
-    expected_state = state * g.exp()[..., None, None]
-    delta = (v - (expected_state * k.unsqueeze(-1)).sum(-2)) * beta.unsqueeze(-1)
-    expected_state = expected_state + k.unsqueeze(-1) * delta.unsqueeze(-2)
-    expected = (expected_state * q.unsqueeze(-1)).sum(-2)
-    out = kernels.gated_delta_step(state, q, k, v, g, beta, block_v=16)
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(state, expected_state, rtol=1e-5, atol=1e-5)
-    # whole rollouts: the Triton path (CUDA graph) samples what the torch path samples
     senior, junior = models["hybrid"].cuda(), models["small_hybrid"].cuda()
+    model = HybridDecoderModel(senior)
+    model.allocate(3, 8)
+    layer = next(m for _, m, _ in model.blocks if isinstance(m, _DeltaLayer))
+    torch.manual_seed(0)
+    layer.conv_state.normal_()
+    layer.state.normal_()
+    states = layer.conv_state.clone(), layer.state.clone()
+    h = torch.randn(3, senior.config.hidden_size, device="cuda")
+    expected = layer.step(h)
+    expected_states = layer.conv_state.clone(), layer.state.clone()
+    layer.conv_state.copy_(states[0])
+    layer.state.copy_(states[1])
+    layer.fuse(share=False)  # the four input projections as one GEMM, as the engine runs them
+    torch.testing.assert_close(layer.step_fused(h), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(layer.conv_state, expected_states[0])
+    torch.testing.assert_close(layer.state, expected_states[1], rtol=1e-4, atol=1e-4)
+    # whole rollouts: the Triton path (CUDA graph) samples what the torch path samples
     prompts = prompt_batch(tokenizer, "cuda")
     torch_path = engine("fast", senior, junior, tokenizer, kernels="torch").generate(prompts, WordHandoff(p=0.5), SAMPLED)
     triton_path = engine("fast", senior, junior, tokenizer, kernels="triton").generate(prompts, WordHandoff(p=0.5), SAMPLED)

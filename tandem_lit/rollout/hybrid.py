@@ -7,8 +7,9 @@ A linear-attention layer keeps, per sequence, a fixed-size state instead of a gr
 - the delta rule's recurrent state (``[B, value_heads, key_dim, value_dim]``, float32).
 
 Both live in static buffers next to the full-attention layers' KV caches, and one decode step
-updates them in place with torch ops (or one Triton kernel for the recurrence on a GPU), so the
-whole tandem step, both models, is still one CUDA graph. The step, per linear layer:
+updates them in place (torch ops; on a GPU two Triton kernels per layer: the convolution, then
+everything from q/k normalisation to the gated norm), so the whole tandem step, both models, is
+still one CUDA graph. The step, per linear layer:
 
     x = silu(conv(last K projected inputs))           -> q, k, v (q, k L2-normalised, q / sqrt(dk))
     S = S * exp(g);  S += k (beta * (v - S^T k))^T    (g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b))
@@ -61,8 +62,16 @@ class _DeltaLayer:
         self.k_heads, self.v_heads = module.num_k_heads, module.num_v_heads
         self.k_dim, self.v_dim = module.head_k_dim, module.head_v_dim
         self.key_size = self.k_heads * self.k_dim
+        self.in_proj = None  # qkv, z, b, a as one GEMM (``fuse``)
         self.conv_state: Tensor | None = None  # [B, conv_dim, K]
         self.state: Tensor | None = None  # [B, v_heads, k_dim, v_dim] float32
+
+    def fuse(self, share: bool) -> None:
+        from tandem_lit.rollout.fast import _Fused
+
+        parts = [self.qkv, self.z, self.b, self.a]
+        if not any(p.lora for p in parts):
+            self.in_proj = _Fused(parts, share)
 
     def allocate(self, batch: int, device, dtype) -> None:
         conv_dim = self.conv_weight.shape[0]
@@ -72,7 +81,19 @@ class _DeltaLayer:
     def free(self) -> None:
         self.conv_state = self.state = None
 
-    def step(self, h: Tensor, triton: bool) -> Tensor:  # [B, H] -> [B, H]
+    def step_fused(self, h: Tensor) -> Tensor:  # [B, H] -> [B, H]
+        """The same step in two Triton kernels (GPU), over one fused input projection if present."""
+        from tandem_lit.rollout import kernels
+
+        batch, m = h.shape[0], self.module
+        qkv, z, b, a = self.in_proj(h) if self.in_proj is not None else (self.qkv(h), self.z(h), self.b(h), self.a(h))
+        mixed = kernels.conv_silu_step(qkv, self.conv_state[:batch], self.conv_weight.squeeze(1))
+        out = kernels.delta_rule_step(
+            mixed, a, b, z, m.A_log, m.dt_bias, m.norm.weight, self.state[:batch], self.k_heads, m.norm.variance_epsilon
+        )
+        return self.out(out)
+
+    def step(self, h: Tensor) -> Tensor:  # [B, H] -> [B, H]
         batch = h.shape[0]
         conv_state, state = self.conv_state[:batch], self.state[:batch]
         # the short causal convolution over the last K inputs, this one included
@@ -89,17 +110,12 @@ class _DeltaLayer:
         m = self.module
         beta = torch.sigmoid(self.b(h)).float()  # [B, Hv]
         g = -m.A_log.float().exp() * F.softplus(self.a(h).float() + m.dt_bias)
-        if triton:
-            from tandem_lit.rollout import kernels
-
-            out = kernels.gated_delta_step(state, q, k, v, g, beta)
-        else:
-            decayed = state * g.exp()[..., None, None]
-            remembered = (decayed * k.unsqueeze(-1)).sum(-2)  # S^T k: [B, Hv, Dv]
-            delta = (v - remembered) * beta.unsqueeze(-1)
-            updated = decayed + k.unsqueeze(-1) * delta.unsqueeze(-2)
-            out = (updated * q.unsqueeze(-1)).sum(-2)
-            state.copy_(updated)
+        decayed = state * g.exp()[..., None, None]
+        remembered = (decayed * k.unsqueeze(-1)).sum(-2)  # S^T k: [B, Hv, Dv]
+        delta = (v - remembered) * beta.unsqueeze(-1)
+        updated = decayed + k.unsqueeze(-1) * delta.unsqueeze(-2)
+        out = (updated * q.unsqueeze(-1)).sum(-2)
+        state.copy_(updated)
         out = out.to(h.dtype)  # the model casts the recurrence's output to its dtype before the norm
         z = self.z(h).view(batch, self.v_heads, self.v_dim)
         normed = out.float() * torch.rsqrt(out.float().pow(2).mean(-1, keepdim=True) + m.norm.variance_epsilon)
@@ -149,6 +165,7 @@ class HybridDecoderModel:
         self.head_dim = config.head_dim
         weight = self.embed.weight
         self.device, self.dtype = weight.device, weight.dtype
+        self.gate_up: dict = {}  # layer index -> fused gate/up projection (``fuse_projections``)
         self.k_cache: dict[int, Tensor] = {}
         self.v_cache: dict[int, Tensor] = {}
         self.cos = self.sin = None
@@ -166,10 +183,22 @@ class HybridDecoderModel:
         return self.embed.weight.data_ptr()
 
     def fuse_projections(self, share: bool) -> None:
-        """(Projections stay separate: the hybrid step runs on torch ops.)"""
+        """One GEMM for each linear-attention layer's four input projections and for each gate/up
+        pair (the Triton path; see ``fast._Fused`` for ``share``)."""
+        from tandem_lit.rollout.fast import _Fused
+
+        for i, (_, mixer, (gate, up, _)) in enumerate(self.blocks):
+            if isinstance(mixer, _DeltaLayer):
+                mixer.fuse(share)
+            if not (gate.lora or up.lora):
+                self.gate_up[i] = _Fused([gate, up], share)
 
     def sync(self) -> None:
-        """Nothing to refresh: the step reads the live parameters."""
+        """Refresh the fused weight copies from the live parameters."""
+        fused = [*self.gate_up.values(), *(m.in_proj for _, m, _ in self.blocks if isinstance(m, _DeltaLayer))]
+        for part in fused:
+            if part is not None:
+                part.sync()
 
     def allocate(self, batch: int, length: int) -> None:
         self.free()
@@ -231,21 +260,42 @@ class HybridDecoderModel:
         layers write K/V at ``slot`` and attend to the valid slots below ``kv_len``; linear-attention
         layers advance their states. ``triton``: the recurrence as one Triton kernel (GPU)."""
         batch = token.shape[0]
-        kv_len = kv_len if not triton else self.cos.shape[0]  # the Triton engine passes its full length
+        kv_len = min(kv_len, self.cos.shape[0])  # (the Triton engine passes its full length)
         valid = valid[:batch, :kv_len]
         mask = torch.zeros(valid.shape, dtype=self.dtype, device=self.device).masked_fill_(~valid, torch.finfo(self.dtype).min)
         mask = mask[:, None, None, :]
         cos, sin = self.cos[position].unsqueeze(1), self.sin[position].unsqueeze(1)  # [B, 1, rot]
         x = self.embed.weight[token]
+        if triton:
+            return self._decode_fused(x, cos, sin, slot, mask, kv_len)
         for i, (layer, mixer, (gate, up, down)) in enumerate(self.blocks):
             h = _norm_1p(layer.input_layernorm, x)
             if isinstance(mixer, _DeltaLayer):
-                x = x + mixer.step(h, triton)
+                x = x + mixer.step(h)
             else:
                 x = x + self._attend(i, mixer, h, cos, sin, slot, mask, kv_len)
             h = _norm_1p(layer.post_attention_layernorm, x)
             x = x + down(F.silu(gate(h)) * up(h))
         return self.lm_head(_norm_1p(self.final_norm, x))
+
+    def _decode_fused(self, x: Tensor, cos: Tensor, sin: Tensor, slot: Tensor, mask: Tensor, kv_len: int) -> Tensor:
+        """The GPU step: residual adds fused into the norms, the linear-attention layers in two
+        Triton kernels, fused input and gate/up projections (the full-attention layers on torch ops)."""
+        from tandem_lit.rollout import kernels
+
+        delta = None
+        for i, (layer, mixer, (gate, up, down)) in enumerate(self.blocks):
+            norm = layer.input_layernorm
+            h = kernels.add_rms_norm(x, delta, norm.weight, norm.eps, one_plus=True)
+            if isinstance(mixer, _DeltaLayer):
+                delta = mixer.step_fused(h)
+            else:
+                delta = self._attend(i, mixer, h, cos, sin, slot, mask, kv_len)
+            norm = layer.post_attention_layernorm
+            h = kernels.add_rms_norm(x, delta, norm.weight, norm.eps, one_plus=True)
+            gated, upped = self.gate_up[i](h) if i in self.gate_up else (gate(h), up(h))
+            delta = down(kernels.silu_mul(gated, upped))
+        return self.lm_head(kernels.add_rms_norm(x, delta, self.final_norm.weight, self.final_norm.eps, one_plus=True))
 
     def _attend(self, i: int, layer: _AttentionLayer, h: Tensor, cos: Tensor, sin: Tensor, slot: Tensor,
                 mask: Tensor, kv_len: int) -> Tensor:

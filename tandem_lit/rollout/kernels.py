@@ -12,8 +12,9 @@ fuse that swarm, so one layer runs 8 kernels (with fused q/k/v and gate/up weigh
 - ``sample_rows`` / ``token_logprobs``: the decoder's inverse-CDF draw (rows from either model's
   logits, optionally restricted to allowed start tokens) and the senior's log-probs, each one
   pass over the logits instead of a dozen elementwise passes;
-- ``gated_delta_step``: the recurrence of a Gated DeltaNet layer (Qwen3.5's linear attention),
-  one read and one write of its float32 state per step (``hybrid.py``).
+- ``conv_silu_step`` / ``delta_rule_step``: a Gated DeltaNet layer's step (Qwen3.5's linear
+  attention, ``hybrid.py``) in two kernels: the short convolution, then q/k normalisation, gate,
+  the recurrence (one read and one write of the float32 state) and the gated RMSNorm.
 
 Numerics follow transformers' eager Llama/Qwen3 code (fp32 norms and softmax, rounding to the
 model dtype where it rounds); results agree to bf16 rounding, not bit for bit.
@@ -28,7 +29,8 @@ from torch import Tensor
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, delta_ptr, w_ptr, out_ptr, n, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+def _add_rms_norm_kernel(x_ptr, delta_ptr, w_ptr, out_ptr, n, eps, HAS_DELTA: tl.constexpr, ONE_PLUS: tl.constexpr,
+                         BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -39,18 +41,22 @@ def _add_rms_norm_kernel(x_ptr, delta_ptr, w_ptr, out_ptr, n, eps, HAS_DELTA: tl
         tl.store(x_ptr + row * n + cols, x, mask=mask)
     x32 = x.to(tl.float32)
     variance = tl.sum(x32 * x32, axis=0) / n
-    normed = (x32 * tl.rsqrt(variance + eps)).to(x_ptr.dtype.element_ty)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + row * n + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if ONE_PLUS:  # Qwen3.5's zero-centred weight, applied in float32 before rounding
+        out = x32 * tl.rsqrt(variance + eps) * (1.0 + w)
+    else:  # Llama/Qwen3: round the normalised value, then scale
+        out = w * (x32 * tl.rsqrt(variance + eps)).to(x_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * n + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def add_rms_norm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> Tensor:
-    """``x += delta`` (in place, if given), then RMSNorm(x) * weight.  # [M, N] -> [M, N]"""
+def add_rms_norm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float, one_plus: bool = False) -> Tensor:
+    """``x += delta`` (in place, if given), then RMSNorm(x) * weight (``one_plus``: * (1 + weight),
+    Qwen3.5's zero-centred norm).  # [M, N] -> [M, N]"""
     rows, n = x.shape
     out = torch.empty_like(x)
     _add_rms_norm_kernel[(rows,)](
         x, delta if delta is not None else x, weight, out, n, eps,
-        HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(n),
+        HAS_DELTA=delta is not None, ONE_PLUS=one_plus, BLOCK=triton.next_power_of_2(n),
     )
     return out
 
@@ -298,42 +304,83 @@ def token_logprobs(logits: Tensor, token: Tensor, temperature: float, block: int
 
 
 @triton.jit
-def _gated_delta_kernel(state_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, DK: tl.constexpr, DV: tl.constexpr,
-                        BV: tl.constexpr):
-    """One decode step of the gated delta rule for one (sequence, value head) and BV value columns:
-    the [DK, BV] slice of the state is read once and written once."""
-    row = tl.program_id(0)  # sequence * heads + head
-    block = tl.program_id(1)
+def _conv_silu_kernel(x_ptr, state_ptr, w_ptr, out_ptr, channels, x_sb, K: tl.constexpr, BLOCK: tl.constexpr):
+    """The short causal convolution's decode step: shift each channel's window by the new input,
+    out = silu(window . weight); one program per (sequence, block of channels)."""
+    row = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = c < channels
+    base = state_ptr + row * channels * K + c * K
+    dtype = out_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(K - 1):
+        value = tl.load(base + j + 1, mask=mask, other=0.0)
+        tl.store(base + j, value, mask=mask)
+        acc += value.to(tl.float32) * tl.load(w_ptr + c * K + j, mask=mask, other=0.0).to(tl.float32)
+    new = tl.load(x_ptr + row * x_sb + c, mask=mask, other=0.0)
+    tl.store(base + K - 1, new, mask=mask)
+    acc += new.to(tl.float32) * tl.load(w_ptr + c * K + K - 1, mask=mask, other=0.0).to(tl.float32)
+    conv = acc.to(dtype).to(tl.float32)
+    tl.store(out_ptr + row * channels + c, (conv / (1.0 + tl.exp(-conv))).to(dtype), mask=mask)
+
+
+def conv_silu_step(x: Tensor, state: Tensor, weight: Tensor) -> Tensor:
+    """x [B, C] (a strided row view is fine), state [B, C, K] updated in place, weight [C, K]
+    -> silu(causal conv over the last K inputs) [B, C]."""
+    batch, channels, kernel = state.shape
+    out = torch.empty((batch, channels), dtype=x.dtype, device=x.device)
+    _conv_silu_kernel[(batch, triton.cdiv(channels, 256))](x, state, weight, out, channels, x.stride(0), K=kernel, BLOCK=256)
+    return out
+
+
+@triton.jit
+def _delta_rule_kernel(
+    mixed_ptr, a_ptr, b_ptr, z_ptr, a_log_ptr, dt_bias_ptr, norm_w_ptr, state_ptr, out_ptr,
+    mixed_sb, a_sb, b_sb, z_sb, heads, group, key_size, eps,
+    DK: tl.constexpr, DV: tl.constexpr,
+):
+    """A Gated DeltaNet layer's decode step after the convolution, for one (sequence, value head):
+    L2-normalised q and k, the gate and beta, one read and one write of the [DK, DV] float32
+    state, then the gated RMSNorm of the output (rounding where transformers rounds)."""
+    pid = tl.program_id(0)
+    row, head = pid // heads, pid % heads
+    key_head = head // group
     dk = tl.arange(0, DK)
-    dv = block * BV + tl.arange(0, BV)
-    mask = dv < DV
-    offsets = row * DK * DV + dk[:, None] * DV + dv[None, :]
-    state = tl.load(state_ptr + offsets, mask=mask[None, :], other=0.0)
-    k = tl.load(k_ptr + row * DK + dk)
-    q = tl.load(q_ptr + row * DK + dk)
-    v = tl.load(v_ptr + row * DV + dv, mask=mask, other=0.0)
-    decay = tl.exp(tl.load(g_ptr + row))
-    beta = tl.load(beta_ptr + row)
-    state = state * decay
-    remembered = tl.sum(state * k[:, None], axis=0)  # S^T k over this block's columns
-    delta = (v - remembered) * beta
+    dv = tl.arange(0, DV)
+    dtype = out_ptr.dtype.element_ty
+    q = tl.load(mixed_ptr + row * mixed_sb + key_head * DK + dk).to(tl.float32)
+    k = tl.load(mixed_ptr + row * mixed_sb + key_size + key_head * DK + dk).to(tl.float32)
+    v = tl.load(mixed_ptr + row * mixed_sb + 2 * key_size + head * DV + dv).to(tl.float32)
+    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) / tl.sqrt(DK * 1.0)
+    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+    a = tl.load(a_ptr + row * a_sb + head).to(tl.float32) + tl.load(dt_bias_ptr + head).to(tl.float32)
+    softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
+    g = -tl.exp(tl.load(a_log_ptr + head).to(tl.float32)) * softplus
+    b = tl.load(b_ptr + row * b_sb + head).to(tl.float32)
+    beta = (1.0 / (1.0 + tl.exp(-b))).to(dtype).to(tl.float32)
+    offsets = pid * DK * DV + dk[:, None] * DV + dv[None, :]
+    state = tl.load(state_ptr + offsets) * tl.exp(g)
+    delta = (v - tl.sum(state * k[:, None], axis=0)) * beta
     state = state + k[:, None] * delta[None, :]
-    out = tl.sum(state * q[:, None], axis=0)
-    tl.store(state_ptr + offsets, state, mask=mask[None, :])
-    tl.store(out_ptr + row * DV + dv, out, mask=mask)
+    tl.store(state_ptr + offsets, state)
+    out = tl.sum(state * q[:, None], axis=0).to(dtype).to(tl.float32)
+    normed = (out * tl.rsqrt(tl.sum(out * out, axis=0) / DV + eps)).to(dtype)
+    scaled = (tl.load(norm_w_ptr + dv) * normed).to(tl.float32)
+    z = tl.load(z_ptr + row * z_sb + head * DV + dv).to(tl.float32)
+    tl.store(out_ptr + row * heads * DV + head * DV + dv, (scaled * (z / (1.0 + tl.exp(-z)))).to(dtype))
 
 
-def gated_delta_step(state: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, block_v: int = 32) -> Tensor:
-    """The gated delta rule's decode step, state updated in place (all float32):
-    ``S = S * exp(g); S += k (beta (v - S^T k))^T; return S^T q``.
-    state [B, H, DK, DV]; q, k [B, H, DK]; v [B, H, DV]; g, beta [B, H] -> [B, H, DV]."""
+def delta_rule_step(mixed: Tensor, a: Tensor, b: Tensor, z: Tensor, a_log: Tensor, dt_bias: Tensor, norm_weight: Tensor,
+                    state: Tensor, key_heads: int, eps: float) -> Tensor:
+    """mixed [B, 2 Hk Dk + Hv Dv] (activated q|k|v), a, b [B, Hv], z [B, Hv Dv] (strided row views
+    allowed), state [B, Hv, Dk, Dv] float32 (updated in place) -> the gated, normed output [B, Hv Dv]."""
     batch, heads, dk, dv = state.shape
-    if dk & (dk - 1):
-        raise ValueError(f"gated_delta_step needs a power-of-two key head size, got {dk}")
-    out = torch.empty(batch, heads, dv, dtype=torch.float32, device=state.device)
-    grid = (batch * heads, triton.cdiv(dv, block_v))
-    _gated_delta_kernel[grid](
-        state, q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), out,
-        DK=dk, DV=dv, BV=block_v,
+    if dk & (dk - 1) or dv & (dv - 1):
+        raise ValueError(f"delta_rule_step needs power-of-two head sizes, got {dk} and {dv}")
+    out = torch.empty((batch, heads * dv), dtype=mixed.dtype, device=mixed.device)
+    _delta_rule_kernel[(batch * heads,)](
+        mixed, a, b, z, a_log, dt_bias, norm_weight, state, out,
+        mixed.stride(0), a.stride(0), b.stride(0), z.stride(0), heads, heads // key_heads, key_heads * dk, eps,
+        DK=dk, DV=dv, num_warps=8 if dk * dv >= 128 * 128 else 4,
     )
     return out
