@@ -128,7 +128,9 @@ def build_module(model_args: dict, arm: str, args, root: Path):
         if getattr(args, key) is not None:
             init[key] = getattr(args, key)
     if args.lora:
-        init["lora"] = {"r": args.lora, "alpha": 2 * args.lora, "dropout": 0.0}
+        init["lora"] = {"r": args.lora, "alpha": 2 * args.lora, "dropout": 0.0, "load_in_4bit": args.qlora}
+        if args.qlora:  # QLoRA: a 4-bit NF4 base (bf16 compute), the Tandem Training setting
+            init["senior"] = dict(init["senior"], dtype="bfloat16")
     memory = dict(init.get("memory") or {})
     memory.update({k: v for k, v in (("offload_optimizer", args.offload_optimizer),
                                      ("gradient_checkpointing", args.gradient_checkpointing),
@@ -293,6 +295,7 @@ def main() -> None:
     parser.add_argument("--mini-batch-size", type=int, default=None)
     parser.add_argument("--micro-batch-tokens", type=int, default=None)
     parser.add_argument("--lora", type=int, default=None, help="train LoRA adapters of this rank")
+    parser.add_argument("--qlora", action="store_true", help="with --lora: over a 4-bit NF4 base (needs bitsandbytes)")
     parser.add_argument("--offload-optimizer", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--release-rollout-caches", action=argparse.BooleanOptionalAction, default=None)
