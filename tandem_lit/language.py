@@ -26,7 +26,7 @@ from typing import Literal, Protocol
 
 from tandem_lit.errors import ConfigError, MissingDependencyError
 
-__all__ = ["LanguageShare", "Lingua", "MissingDependencyError", "Py3LangId", "blank_math"]
+__all__ = ["LanguageShare", "Lingua", "MissingDependencyError", "Py3LangId", "WordListLanguageShare", "blank_math"]
 
 #: the pins of pyproject.toml's ``language`` extra (docs/language.md measured these versions)
 PY3LANGID_VERSION = "0.4.0"
@@ -288,6 +288,67 @@ class LanguageShare:
                 identified[author] += count
                 target[author] += count if code == self.language else 0
             results.append({a: target[a] / identified[a] if identified[a] else None for a in identified})
+        return results
+
+
+class WordListLanguageShare(LanguageShare):
+    """Fraction of a solution's listed words that are ``language``'s: a language share for a closed
+    vocabulary, such as the offline demo's synthetic world (``tandem_lit.demo.world.VOCABULARY``),
+    whose short sentences of names, numbers and a few connectives a statistical identifier cannot
+    be trusted on, and whose made-up languages it does not know.
+
+    A text is cut into words at white space, math words are dropped (as ``LanguageShare`` blanks
+    them), end punctuation is stripped and case ignored; a word in one of the ``words`` lists counts
+    for that language, any other word (a name, a word of no list, a garbled word) for none:
+
+        share = listed words of ``language`` / listed words of every language
+
+    A text with no listed word has no share (None), never 0. Per author, each author's own words
+    count. It answers ``share``, ``shares``, ``share_by_author``, ``rate``, ``rate_by_author`` and
+    ``stats`` as ``LanguageShare`` does, so it goes wherever a ``LanguageShare`` does
+    (``TandemModule(language=...)``).
+
+    Args:
+        language: Target language: a key of ``words``.
+        words: Each language's words, e.g. ``{en: [first, then], fr: ["d'abord", ensuite]}``;
+            at least two languages, no word in two lists.
+    """
+
+    def __init__(self, language: str, words: dict[str, list[str]]):
+        # No super().__init__(): there is no identifier to load; pieces() reads these fields.
+        self.words = {code.lower(): frozenset(w.lower() for w in listed) for code, listed in words.items()}
+        if len(self.words) < 2:
+            raise ConfigError(f"WordListLanguageShare needs the words of at least two languages, got {sorted(self.words)}")
+        if language.lower() not in self.words:
+            raise ConfigError(f"WordListLanguageShare target {language!r} is not among the languages {sorted(self.words)}")
+        shared = sorted(w for a in self.words for b in self.words if a < b for w in self.words[a] & self.words[b])
+        if shared:
+            raise ConfigError(f"WordListLanguageShare word lists must be disjoint; in two lists: {shared}")
+        self.language = language.lower()
+        self.languages = list(self.words)
+        self.unit: Unit = "text"
+        self.ignore_math = True
+        self.owner = {word: code for code, listed in self.words.items() for word in listed}
+
+    def counts(self, text: str) -> dict[str, int]:
+        """Listed words of each language in ``text`` (math blanked)."""
+        found = dict.fromkeys(self.words, 0)
+        for word in blank_math(text).split():
+            code = self.owner.get(word.strip(".,;:!?").lower())
+            if code is not None:
+                found[code] += 1
+        return found
+
+    def _shares(self, rollouts: Sequence[Sequence[tuple[object, str]]]) -> list[dict[str, float | None]]:
+        results = []
+        for spans in rollouts:
+            target: dict[str, int] = {}
+            listed: dict[str, int] = {}
+            for author, text in self.pieces(spans):
+                found = self.counts(text)
+                target[author] = target.get(author, 0) + found[self.language]
+                listed[author] = listed.get(author, 0) + sum(found.values())
+            results.append({a: target[a] / listed[a] if listed[a] else None for a in listed})
         return results
 
 

@@ -10,17 +10,25 @@ import pytest
 
 from tandem_lit.demo import build as demo_build
 from tandem_lit.demo.world import (
+    LANGUAGES,
+    NAMES,
     STYLES,
     TEMPLATES,
+    VOCABULARY,
     cut_points,
     is_held_out,
+    language_continuation,
+    language_prefix,
     problems,
     styled_continuation,
+    words,
 )
 from tandem_lit.metrics import JargonDetector
 from tandem_lit.verifiers.numeric import GSM8KVerifier
 
 JARGON = re.compile(r"<<([^<>\n]*)>>")
+CALCULATION = re.compile(r"\d+[-+*]\d+=\d+")
+LANGUAGE_CONFIGS = ("configs/demo_language.yaml", "configs/demo_language_control.yaml")
 
 
 # --------------------------------------------------------------------------------------- world
@@ -49,6 +57,49 @@ def test_plain_and_jargon_forms_are_consistent():
         for text in (plain, coded):
             assert text.startswith(" ") and text.endswith(f"\n#### {problem.answer}")
             assert verifier.grade(text, answer=str(problem.answer)).correct
+
+
+def test_both_languages_differ_in_words_only():
+    verifier = GSM8KVerifier()
+    for problem in problems(seed=3, count=600, split="train"):
+        english, french = problem.solution(language="en"), problem.solution(language="fr")
+        assert english == problem.solution("plain")  # English is the default, as before
+        calcs = [f"{c.expression}={c.result}" for c in problem.calcs]
+        assert CALCULATION.findall(english) == CALCULATION.findall(french) == calcs
+        for text in (english, french, problem.solution("jargon", "fr")):
+            assert text.startswith(" ") and text.endswith(f"\n#### {problem.answer}")
+            assert verifier.grade(text, answer=str(problem.answer)).correct
+        assert JARGON.sub("", problem.solution("jargon", "fr")) == french
+        assert english != french
+
+
+def test_language_vocabularies_are_disjoint_and_cover_every_solution_word():
+    assert not set(VOCABULARY["en"]) & set(VOCABULARY["fr"])
+    names = {n.lower() for n in NAMES}
+    assert not names & (set(VOCABULARY["en"]) | set(VOCABULARY["fr"]))
+    used: dict[str, set[str]] = {code: set() for code in LANGUAGES}
+    for problem in problems(seed=0, count=1000, split="train"):
+        for code in LANGUAGES:
+            for word in words(problem.solution(language=code)):
+                if word not in names and not re.search(r"[0-9#]", word):
+                    used[code].add(word)
+    assert used == {code: set(listed) for code, listed in VOCABULARY.items()}  # every listed word is used
+
+
+def test_language_prefixes_show_their_language_and_keep_it():
+    from tandem_lit.demo.build import language_share
+
+    french = language_share("fr")
+    rng = random.Random(0)
+    for problem in problems(seed=4, count=300, split="train"):
+        for code in LANGUAGES:
+            text = problem.solution(language=code)
+            prefix, rest = language_continuation(problem, rng, code)
+            assert prefix + rest == text and rest[:1].isspace()
+            assert french.share(prefix) == (1.0 if code == "fr" else 0.0)  # the prefix shows its language
+            half = language_prefix(problem, code)
+            assert text.startswith(half) and len(half) >= problem.first_calc_end(language=code)
+            assert french.share(half) == (1.0 if code == "fr" else 0.0)
 
 
 def test_the_world_is_seeded():
@@ -110,6 +161,11 @@ def test_demo_names_and_cache_keys(monkeypatch, tmp_path):
     assert demo_build.Recipe(seed=1).digest() != standard.digest()  # any change is a new build
     monkeypatch.setenv("TANDEM_LIT_CACHE", str(tmp_path))
     assert demo_build.cache_root() == tmp_path
+    language = demo_build.RECIPES["language"]
+    assert demo_build.parse_name("language/junior") == ("language", "junior")
+    assert language.language_gap and not standard.language_gap
+    assert language.digest() != standard.digest()  # its own cache entry; the standard one is untouched
+    assert (language.junior, language.senior) == (standard.junior, standard.senior)  # same shapes
 
 
 def test_an_existing_build_is_reused_without_training(monkeypatch, tmp_path):
@@ -185,3 +241,61 @@ def test_shortened_demo_clears_jargon_only_with_handoffs(monkeypatch, tmp_path, 
     assert report["macro"]["solo_pass@1"] > 0.5 and 0 < report["macro"]["handoff_pass@1"] <= 1
     assert report["macro"]["legibility_nats"] > 0
     assert (tmp_path / "demo" / "eval" / "results.md").exists()
+
+
+# ------------------------------------------------------------------------------ language gap
+
+TINY_LANGUAGE_RECIPE = demo_build.Recipe(
+    train_problems=300,
+    junior=demo_build.Shape(hidden=32, layers=1),
+    junior_phases=(demo_build.LanguagePhase("fr", steps=3, lr=3e-3, warmup_steps=1, facts_share=0.2),),
+    senior=demo_build.Shape(hidden=32, layers=1),
+    senior_phases=(demo_build.LanguagePhase("en", steps=3, lr=3e-3, warmup_steps=1, language_share=0.99,
+                                            prefix_share=0.8, facts_share=0.2),),
+    report_problems=6,
+    max_new_tokens=12,
+)
+
+
+@pytest.mark.usefixtures("in_repo")
+@pytest.mark.parametrize("config", LANGUAGE_CONFIGS)
+def test_language_configs_parse(config, capsys):
+    import yaml
+
+    from tandem_lit.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(args=["fit", "--config", config, "--print_config"])
+    assert info.value.code == 0
+    model = yaml.safe_load(capsys.readouterr().out)["model"]["init_args"]
+    assert (model["senior"]["path"], model["junior"]["path"]) == ("demo://language/senior", "demo://language/junior")
+    assert model["language"]["class_path"] == "tandem_lit.language.WordListLanguageShare"
+    assert model["language"]["init_args"]["words"] == {code: list(listed) for code, listed in VOCABULARY.items()}
+    handoff = model["handoff"]["class_path"].rsplit(".", 1)[-1]
+    assert handoff == ("SoloHandoff" if "control" in config else "WordHandoff")
+    assert model["eval_modes"] == ["senior", "tandem", "junior"]
+
+
+@pytest.mark.usefixtures("in_repo")
+def test_language_demo_runs_a_step_with_a_tiny_build(monkeypatch, tmp_path):
+    """Both language configs, one update each, on a language recipe shrunk to seconds (the real
+    one is docs/demo.md's); the build goes through the cache and reports by language."""
+    from tandem_lit.cli import main
+
+    monkeypatch.setenv("TANDEM_LIT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setitem(demo_build.RECIPES, "language", TINY_LANGUAGE_RECIPE)
+    for config in LANGUAGE_CONFIGS:
+        root = tmp_path / config.rsplit("/", 1)[-1]
+        main(args=[
+            "fit", "--config", config, "--trainer.max_steps", "1", "--trainer.val_check_interval", "1",
+            "--trainer.default_root_dir", str(root), "--data.init_args.train_size", "8", "--data.init_args.batch_size", "2",
+            "--data.init_args.val_size", "4", "--data.init_args.eval_batch_size", "4",
+            "--model.init_args.sampling.max_new_tokens", "12", "--model.init_args.eval_sampling.max_new_tokens", "12",
+        ])
+        summary = json.loads((root / "summary.json").read_text())
+        assert summary["updates"] == 1
+        assert {"eval/senior_accuracy", "eval/tandem_accuracy", "eval/junior_accuracy"} <= set(summary)
+    (folder,) = (tmp_path / "cache" / "demo").iterdir()  # built once, reused by the control
+    assert folder.name == f"language-{TINY_LANGUAGE_RECIPE.digest()}"
+    report = json.loads((folder / "report.json").read_text())["eval"]
+    assert {"senior_fr_share", "junior_after_en_accuracy", "junior_after_fr_accuracy"} <= set(report)

@@ -193,3 +193,61 @@ def test_author_shares_are_fractions(spans, unit):
     shares = metric.share_by_author(spans)
     assert set(shares) <= {"senior", "junior"}
     assert all(value is None or 0.0 <= value <= 1.0 for value in shares.values())
+
+
+# ------------------------------------------------------------------- word lists (the offline demo)
+
+WORDS = {"en": ["first", "then", "are", "left", "pens"], "fr": ["d'abord", "ensuite", "il", "en", "reste", "stylos"]}
+
+
+def test_word_lists_count_listed_words_only():
+    from tandem_lit.language import WordListLanguageShare
+
+    metric = WordListLanguageShare("fr", WORDS)
+    assert metric.share(" D'abord 7+5=12 stylos. Ensuite il en reste 12-3=9.\n#### 9") == 1.0
+    assert metric.share(" First 7+5=12 pens. Then 12-3=9 are left.\n#### 9") == 0.0
+    # 2 of 5 listed words are French; the name, "has" (no list) and the math count for none
+    assert metric.share("First Ann has 7+5=12 stylos. ENSUITE 12-3=9 are left.") == pytest.approx(2 / 5)
+    assert metric.shares(["#### 9", "Ann has 7+5=12", "", "<<7+5=12>>12"]) == [None, None, None, None]
+    assert metric.rate(["D'abord", "First", "Ann"]) == 0.5  # the text without a listed word is skipped
+    assert WordListLanguageShare("en", WORDS).share("First Ann has 7+5=12 stylos.") == 0.5
+
+
+def test_word_lists_by_author():
+    from tandem_lit.language import WordListLanguageShare
+
+    metric = WordListLanguageShare("fr", WORDS)
+    rollout = [(Author.SENIOR, " First"), (Author.JUNIOR, " 7+5=12"), (Author.SENIOR, " stylos."),
+               (Author.JUNIOR, " Ensuite il"), (Author.SENIOR, " en reste 12-3=9.\n#### 9")]
+    assert metric.share_by_author(rollout) == {"senior": pytest.approx(3 / 4), "junior": 1.0}
+    stats = metric.stats([rollout, [(Author.SENIOR, " First 7+5=12 pens.")], [(Author.JUNIOR, " 12")]])
+    assert stats["language_share"] == pytest.approx((5 / 6 + 0.0) / 2)
+    assert stats["senior_language_share"] == pytest.approx((3 / 4 + 0.0) / 2) and stats["junior_language_share"] == 1.0
+    assert metric.stats([[(Author.SENIOR, "1 + 1 = 2")]]) == {}
+
+
+@pytest.mark.parametrize(
+    "words",
+    [
+        {"fr": ["il"]},  # one language decides nothing
+        {"en": ["first"], "de": ["erst"]},  # the target has no list
+        {"en": ["first", "en"], "fr": ["EN"]},  # a word in two lists
+    ],
+)
+def test_word_list_config_errors(words):
+    from tandem_lit.language import WordListLanguageShare
+
+    with pytest.raises(ConfigError):
+        WordListLanguageShare("fr", words)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["senior", "junior"]),
+                          st.lists(st.sampled_from([*"abc .\n7+=", "il", "First", "D'abord"]), max_size=20).map("".join)),
+                max_size=8))
+def test_word_list_shares_are_fractions(spans):
+    from tandem_lit.language import WordListLanguageShare
+
+    shares = WordListLanguageShare("fr", WORDS).share_by_author(spans)
+    assert set(shares) <= {"senior", "junior"}
+    assert all(value is None or 0.0 <= value <= 1.0 for value in shares.values())

@@ -22,6 +22,15 @@ sums and products. The senior thus writes jargon when
   left alone and continues in the style of its context, as a pretrained LM fine-tuned on GSM8K's
   calculator annotations does. A senior trained on jargon alone cannot write plain text at all,
   and tandem RL then destroys its accuracy instead of its jargon.
+
+The ``language`` recipe (``demo://language/senior``, ``demo://language/junior``; configs/demo_language.yaml)
+is the language-gap setting in miniature, with ``LanguagePhase`` phases:
+
+* junior: the same small model, trained only on French solutions (``tandem_lit.demo.world``);
+* senior: the same larger model, trained first on English solutions, then on solutions that are
+  English ~99% of the time, where 80% of the examples start with a loss-free prefix in a random
+  language, continued in that language: it writes English when left alone and continues French in
+  French, as a pretrained LM that knows French but answers in English does.
 """
 
 from __future__ import annotations
@@ -34,12 +43,23 @@ import random
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from tandem_lit.demo.world import STYLES, Problem, problems, styled_continuation
+from tandem_lit.demo.world import (
+    LANGUAGES,
+    STYLES,
+    VOCABULARY,
+    Language,
+    Problem,
+    language_continuation,
+    language_prefix,
+    problems,
+    styled_continuation,
+)
 from tandem_lit.errors import ConfigError
 from tandem_lit.sft import SFTConfig, SFTExample, run_sft
 
@@ -79,6 +99,24 @@ class Phase:
 
 
 @dataclass(frozen=True)
+class LanguagePhase:
+    """One supervised phase of the language-gap recipe: prompt -> solution in ``language`` with
+    probability ``language_share`` (else in the other language); ``prefix_share`` of the examples
+    start with a loss-free prefix of the solution in a random language, cut after its first word of
+    that language, continued in that language; ``facts_share`` as in ``Phase``."""
+
+    language: Language
+    steps: int
+    lr: float
+    batch_size: int = 16
+    language_share: float = 1.0
+    prefix_share: float = 0.0
+    warmup_steps: int = 50
+    facts_per_example: int = 8
+    facts_share: float = 0.0
+
+
+@dataclass(frozen=True)
 class Recipe:
     """Everything that decides the demo models; its hash is the cache key."""
 
@@ -87,9 +125,9 @@ class Recipe:
     junior: Shape = Shape(hidden=64, layers=2)
     # The junior's accuracy climbs steeply with its steps (1,000: 31%, 1,250: 62%, 1,500: 88% on
     # this world): 1,250 puts it where the paper's junior is, clearly below the senior's ~90%.
-    junior_phases: tuple[Phase, ...] = (Phase("plain", steps=1250, lr=3e-3, facts_share=0.15),)
+    junior_phases: tuple[Phase | LanguagePhase, ...] = (Phase("plain", steps=1250, lr=3e-3, facts_share=0.15),)
     senior: Shape = Shape(hidden=96, layers=4)
-    senior_phases: tuple[Phase, ...] = (
+    senior_phases: tuple[Phase | LanguagePhase, ...] = (
         Phase("plain", steps=800, lr=3e-3, facts_share=0.35),
         Phase("jargon", steps=700, lr=2e-3, prefix_share=0.8, facts_share=0.35),
     )
@@ -100,9 +138,22 @@ class Recipe:
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
 
+    @property
+    def language_gap(self) -> bool:
+        """A language-gap recipe (``LanguagePhase`` phases), reported by language, not jargon."""
+        return any(isinstance(p, LanguagePhase) for p in (*self.junior_phases, *self.senior_phases))
+
 
 RECIPES: dict[str, Recipe] = {
     "standard": Recipe(),
+    # Same shapes, world and step counts as the standard pair; languages instead of jargon.
+    "language": Recipe(
+        junior_phases=(LanguagePhase("fr", steps=1250, lr=3e-3, facts_share=0.15),),
+        senior_phases=(
+            LanguagePhase("en", steps=800, lr=3e-3, facts_share=0.35),
+            LanguagePhase("en", steps=700, lr=2e-3, language_share=0.99, prefix_share=0.8, facts_share=0.35),
+        ),
+    ),
 }
 
 
@@ -157,10 +208,13 @@ def ensure_built(recipe_name: str) -> Path:
 # ------------------------------------------------------------------------------------ building
 
 
-def phase_examples(phase: Phase, pool: list[Problem], rng: random.Random) -> list[SFTExample]:
+def phase_examples(phase: Phase | LanguagePhase, pool: list[Problem], rng: random.Random) -> list[SFTExample]:
     """``steps x batch_size`` fresh examples of one phase, drawn from the problem pool."""
     out = []
     for _ in range(phase.steps * phase.batch_size):
+        if isinstance(phase, LanguagePhase):
+            out.append(language_example(phase, pool, rng))
+            continue
         if phase.data == "facts" or rng.random() < phase.facts_share:
             calcs = [rng.choice(rng.choice(pool).calcs) for _ in range(phase.facts_per_example)]
             out.append(SFTExample("", " ".join(c.render("plain") for c in calcs)))
@@ -178,7 +232,20 @@ def phase_examples(phase: Phase, pool: list[Problem], rng: random.Random) -> lis
     return out
 
 
-def train_model(shape: Shape, phases: tuple[Phase, ...], pool: list[Problem], seed: int, tokenizer, label: str):
+def language_example(phase: LanguagePhase, pool: list[Problem], rng: random.Random) -> SFTExample:
+    if rng.random() < phase.facts_share:
+        calcs = [rng.choice(rng.choice(pool).calcs) for _ in range(phase.facts_per_example)]
+        return SFTExample("", " ".join(c.render("plain") for c in calcs))
+    problem = rng.choice(pool)
+    if rng.random() < phase.prefix_share:
+        prefix, rest = language_continuation(problem, rng, rng.choice(LANGUAGES))
+        return SFTExample(problem.prompt + prefix, rest)
+    other = next(code for code in LANGUAGES if code != phase.language)
+    language = phase.language if rng.random() < phase.language_share else other
+    return SFTExample(problem.prompt, problem.solution(language=language))
+
+
+def train_model(shape: Shape, phases: tuple[Phase | LanguagePhase, ...], pool: list[Problem], seed: int, tokenizer, label: str):
     from transformers import LlamaForCausalLM
 
     from tandem_lit.tiny import tiny_llama_config
@@ -188,7 +255,10 @@ def train_model(shape: Shape, phases: tuple[Phase, ...], pool: list[Problem], se
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
     for index, phase in enumerate(phases):
-        if phase.data not in ("facts", "plain", "jargon"):
+        if isinstance(phase, LanguagePhase):
+            if phase.language not in LANGUAGES:
+                raise ConfigError(f"phase language must be one of {list(LANGUAGES)}, got {phase.language!r}")
+        elif phase.data not in ("facts", "plain", "jargon"):
             raise ConfigError(f"phase data must be 'facts', 'plain' or 'jargon', got {phase.data!r}")
         rng = random.Random(f"{seed}/{label}/{index}")
         examples = phase_examples(phase, pool, rng)
@@ -196,7 +266,8 @@ def train_model(shape: Shape, phases: tuple[Phase, ...], pool: list[Problem], se
             steps=phase.steps, batch_size=phase.batch_size, lr=phase.lr, warmup_steps=phase.warmup_steps,
             seed=seed + index, log_every=100,
         )
-        run_sft(model, tokenizer, examples, sft, label=f"{label} {index + 1}/{len(phases)} ({phase.data})")
+        kind = phase.language if isinstance(phase, LanguagePhase) else phase.data
+        run_sft(model, tokenizer, examples, sft, label=f"{label} {index + 1}/{len(phases)} ({kind})")
     return model, config
 
 
@@ -221,7 +292,8 @@ def build(recipe: Recipe, folder: Path) -> dict:
         report["seconds"][role] = round(time.perf_counter() - t, 1)
         report[f"{role}_parameters"] = sum(p.numel() for p in model.parameters())
     t = time.perf_counter()
-    report["eval"] = evaluate_models(models["senior"], models["junior"], tokenizer, recipe)
+    evaluate = evaluate_languages if recipe.language_gap else evaluate_models
+    report["eval"] = evaluate(models["senior"], models["junior"], tokenizer, recipe)
     report["seconds"]["report"] = round(time.perf_counter() - t, 1)
     report["seconds"]["total"] = round(time.perf_counter() - started, 1)
     (folder / "recipe.json").write_text(json.dumps(asdict(recipe), indent=2))
@@ -262,13 +334,13 @@ def greedy(model, tokenizer, contexts: list[str], max_new_tokens: int) -> list[s
     return rollout.texts
 
 
-def evaluate_models(senior, junior, tokenizer, recipe: Recipe) -> dict[str, float]:
-    """Greedy accuracy and jargon rate of each model on held-out problems, and how each continues a
-    correct half-solution (cut after the first calculation of two-step problems) in either style."""
-    from tandem_lit.metrics import JargonDetector
+def held_out_report(senior, junior, tokenizer, recipe: Recipe, measure: str, measured: Callable[[list[str]], float],
+                    prefixes: dict[str, Callable[[Problem], str]]) -> dict[str, float]:
+    """Greedy accuracy and ``measure`` of each model on held-out problems, and how each continues
+    a correct half-solution (``prefixes``: cut after the first calculation of two-step problems)."""
     from tandem_lit.verifiers.numeric import GSM8KVerifier
 
-    verifier, jargon = GSM8KVerifier(), JargonDetector()
+    verifier = GSM8KVerifier()
     held = problems(recipe.seed, recipe.report_problems, "held_out")
     two_step = [p for p in held if len(p.calcs) == 2]
     out: dict[str, float] = {}
@@ -279,13 +351,37 @@ def evaluate_models(senior, junior, tokenizer, recipe: Recipe) -> dict[str, floa
     for role, model in (("senior", senior), ("junior", junior)):
         texts = greedy(model, tokenizer, [p.prompt for p in held], recipe.max_new_tokens)
         out[f"{role}_accuracy"] = score(texts, held)
-        out[f"{role}_jargon_rate"] = jargon.rate(texts)
-        for style in STYLES:
-            prefixes = [p.solution(style)[: p.first_calc_end(style)] for p in two_step]
-            rest = greedy(model, tokenizer, [p.prompt + x for p, x in zip(two_step, prefixes)], recipe.max_new_tokens)
-            out[f"{role}_after_{style}_accuracy"] = score([x + r for x, r in zip(prefixes, rest)], two_step)
-            out[f"{role}_after_{style}_jargon_rate"] = jargon.rate(rest)
+        out[f"{role}_{measure}"] = measured(texts)
+        for variant, prefix in prefixes.items():
+            cut = [prefix(p) for p in two_step]
+            rest = greedy(model, tokenizer, [p.prompt + x for p, x in zip(two_step, cut)], recipe.max_new_tokens)
+            out[f"{role}_after_{variant}_accuracy"] = score([x + r for x, r in zip(cut, rest)], two_step)
+            out[f"{role}_after_{variant}_{measure}"] = measured(rest)
     return {k: round(v, 3) for k, v in out.items()}
+
+
+def evaluate_models(senior, junior, tokenizer, recipe: Recipe) -> dict[str, float]:
+    """The jargon pair: accuracy and jargon rate, alone and after a half-solution in either style."""
+    from tandem_lit.metrics import JargonDetector
+
+    prefixes = {style: (lambda p, style=style: p.solution(style)[: p.first_calc_end(style)]) for style in STYLES}
+    return held_out_report(senior, junior, tokenizer, recipe, "jargon_rate", JargonDetector().rate, prefixes)
+
+
+def language_share(language: Language = "fr"):
+    """The share of ``language`` in the demo world's solutions (``WordListLanguageShare`` over
+    ``VOCABULARY``: configs/demo_language.yaml names the same lists)."""
+    from tandem_lit.language import WordListLanguageShare
+
+    return WordListLanguageShare(language, {code: list(listed) for code, listed in VOCABULARY.items()})
+
+
+def evaluate_languages(senior, junior, tokenizer, recipe: Recipe) -> dict[str, float]:
+    """The language pair: accuracy and French share, alone and after a half-solution in either
+    language (the language gap the tandem run exists for is ``junior_after_en_accuracy``)."""
+    french = language_share("fr")
+    prefixes = {language: (lambda p, language=language: language_prefix(p, language)) for language in LANGUAGES}
+    return held_out_report(senior, junior, tokenizer, recipe, "fr_share", lambda texts: french.rate(texts) or 0.0, prefixes)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,6 +11,17 @@ written:
 The jargon is GSM8K's calculator annotation ``<<a*b=c>>`` before the result, the private notation
 of the Tandem Training skill-gap experiment: the senior writes it, the junior never saw it.
 
+Every solution also exists in two languages, for the language-gap experiment: English (``en``, the
+default) and French (``fr``, without accents: the demo's tokenizer is printable ASCII). They differ
+in their words and word order, never in their calculations or the ``#### <answer>`` line:
+
+    en      "First 7+5=12 pens. Then 12-3=9 are left.\\n#### 9"
+    fr      "D'abord 7+5=12 stylos. Ensuite il en reste 12-3=9.\\n#### 9"
+
+The question stays in English (it is the prompt both models read). ``VOCABULARY`` lists each
+language's words: the two lists are disjoint, and every word of a solution is in its language's
+list, a name or math, which is what the demo's language share counts.
+
 Held-out problems (validation and test) are a fixed slice of the question space chosen by a hash
 of the question text, so no model ever trains on them, whatever the seeds.
 """
@@ -25,12 +36,21 @@ from typing import Literal
 
 Style = Literal["plain", "jargon"]
 STYLES: tuple[Style, ...] = ("plain", "jargon")
+Language = Literal["en", "fr"]
+LANGUAGES: tuple[Language, ...] = ("en", "fr")
 PROMPT_TEMPLATE = "Question: {question}\nAnswer:"
 ANSWER_MARKER = "\n#### "
 HELD_OUT_PERCENT = 10  # share of the question space kept for validation and test
 
 NAMES = ("Ann", "Ben", "Cara", "Dan", "Eve", "Finn", "Gia", "Hal", "Ivy", "Jon", "Kim", "Leo", "Mia", "Ned", "Ola", "Pam")
 THINGS = ("apples", "pens", "cards", "eggs", "books", "coins", "shells", "stamps", "beads", "cups")
+THINGS_FR = dict(zip(THINGS, ("pommes", "stylos", "cartes", "oeufs", "livres", "pieces", "coquillages", "timbres", "perles", "tasses")))
+# Every word a solution may write outside names and math, per language (lower case, no full stops)
+VOCABULARY: dict[Language, tuple[str, ...]] = {
+    "en": ("bags", "of", "is", "now", "has", "are", "left", "each", "week", "in", "weeks", "first", "then", *THINGS),
+    "fr": ("sacs", "de", "font", "a", "maintenant", "il", "reste", "en", "chaque", "semaine", "semaines", "d'abord",
+           "ensuite", "donc", *THINGS_FR.values()),
+}
 
 
 @dataclass(frozen=True)
@@ -61,7 +81,18 @@ class Calc:
         return f"{self.expression}={self.result}"
 
 
-Part = str | Calc
+@dataclass(frozen=True)
+class Phrase:
+    """Solution text between calculations, in each language."""
+
+    en: str
+    fr: str
+
+    def render(self, language: Language) -> str:
+        return self.en if language == "en" else self.fr
+
+
+Part = Phrase | Calc
 
 
 @dataclass(frozen=True)
@@ -84,17 +115,17 @@ class Problem:
     def prompt(self) -> str:
         return PROMPT_TEMPLATE.format(question=self.question)
 
-    def solution(self, style: Style) -> str:
+    def solution(self, style: Style = "plain", language: Language = "en") -> str:
         """The completion that follows the prompt: starts with a space, ends ``#### answer``."""
-        body = "".join(p.render(style) if isinstance(p, Calc) else p for p in self.parts)
+        body = "".join(p.render(style) if isinstance(p, Calc) else p.render(language) for p in self.parts)
         return f" {body}{ANSWER_MARKER}{self.answer}"
 
-    def first_calc_end(self, style: Style) -> int:
-        """Offset in ``solution(style)`` where the first calculation's result ends: a prefix
-        shorter than this shows nothing of the style."""
+    def first_calc_end(self, style: Style = "plain", language: Language = "en") -> int:
+        """Offset in ``solution(style, language)`` where the first calculation's result ends: a
+        prefix shorter than this shows nothing of the style."""
         text = " "
         for part in self.parts:
-            text += part.render(style) if isinstance(part, Calc) else part
+            text += part.render(style) if isinstance(part, Calc) else part.render(language)
             if isinstance(part, Calc):
                 return len(text)
         raise AssertionError("every problem has a calculation")
@@ -117,43 +148,55 @@ def is_held_out(question: str) -> bool:
 # Two-step problems carry the first result into the second calculation.
 
 
+def _thing(thing: str) -> Phrase:
+    return Phrase(f" {thing}.", f" {THINGS_FR[thing]}.")
+
+
 def _packs_total(rng: random.Random, name: str, thing: str) -> tuple[str, tuple[Part, ...]]:
     a, b = rng.randint(2, 9), rng.randint(2, 9)
     question = f"{name} has {a} bags with {b} {thing} in each. How many {thing} in all?"
-    return question, (f"{a} bags of {b} is ", Calc(a, "*", b), f" {thing}.")
+    return question, (Phrase(f"{a} bags of {b} is ", f"{a} sacs de {b} font "), Calc(a, "*", b), _thing(thing))
 
 
 def _gets_more(rng: random.Random, name: str, thing: str) -> tuple[str, tuple[Part, ...]]:
     a, b = rng.randint(2, 9), rng.randint(2, 9)
     question = f"{name} has {a} {thing} and finds {b} more. How many {thing} now?"
-    return question, (f"Now {name} has ", Calc(a, "+", b), f" {thing}.")
+    return question, (Phrase(f"Now {name} has ", f"{name} a maintenant "), Calc(a, "+", b), _thing(thing))
 
 
 def _gives_away(rng: random.Random, name: str, thing: str) -> tuple[str, tuple[Part, ...]]:
     b = rng.randint(2, 9)
     a = rng.randint(b + 2, b + 9)
     question = f"{name} has {a} {thing} and gives {b} away. How many are left?"
-    return question, ("", Calc(a, "-", b), f" {thing} are left.")
+    return question, (Phrase("", "Il reste "), Calc(a, "-", b), Phrase(f" {thing} are left.", f" {THINGS_FR[thing]}."))
 
 
 def _weekly(rng: random.Random, name: str, thing: str) -> tuple[str, tuple[Part, ...]]:
     a, b, c = rng.randint(2, 9), rng.randint(2, 9), rng.randint(2, 4)
     question = f"{name} gets {a} {thing} on Monday and {b} on Friday. How many in {c} weeks?"
-    return question, ("Each week ", Calc(a, "+", b), f". In {c} weeks ", Calc(a + b, "*", c), f" {thing}.")
+    return question, (
+        Phrase("Each week ", "Chaque semaine "), Calc(a, "+", b),
+        Phrase(f". In {c} weeks ", f". En {c} semaines "), Calc(a + b, "*", c), _thing(thing),
+    )
 
 
 def _buys_and_gives(rng: random.Random, name: str, thing: str) -> tuple[str, tuple[Part, ...]]:
     a, b = rng.randint(2, 9), rng.randint(2, 9)
     c = rng.randint(2, min(9, a + b - 1))
     question = f"{name} has {a} {thing}, buys {b} more and gives {c} away. How many are left?"
-    return question, ("First ", Calc(a, "+", b), f" {thing}. Then ", Calc(a + b, "-", c), " are left.")
+    return question, (
+        Phrase("First ", "D'abord "), Calc(a, "+", b),
+        Phrase(f" {thing}. Then ", f" {THINGS_FR[thing]}. Ensuite il en reste "), Calc(a + b, "-", c), Phrase(" are left.", "."),
+    )
 
 
 def _bags_left(rng: random.Random, name: str, thing: str) -> tuple[str, tuple[Part, ...]]:
     a, b = rng.randint(4, 9), rng.randint(2, 9)
     c = rng.randint(2, a - 2)
     question = f"{name} has {a} bags of {b} {thing} and gives {c} bags away. How many {thing} are left?"
-    return question, ("", Calc(a, "-", c), " bags are left. ", Calc(a - c, "*", b), f" {thing}.")
+    return question, (
+        Phrase("", "Il reste "), Calc(a, "-", c), Phrase(" bags are left. ", " sacs. Donc "), Calc(a - c, "*", b), _thing(thing),
+    )
 
 
 TEMPLATES: dict[str, Callable[[random.Random, str, str], tuple[str, tuple[Part, ...]]]] = {
@@ -218,4 +261,33 @@ def styled_continuation(problem: Problem, rng: random.Random, style: Style) -> t
     text = problem.solution(style)
     start = problem.first_calc_end(style)
     cut = rng.choice([i for i in cut_points(text) if i >= start])
+    return text[:cut], text[cut:]
+
+
+def words(text: str) -> list[str]:
+    """The words of a solution as ``VOCABULARY`` spells them: lower case, end punctuation off."""
+    return [w.strip(".,;:!?").lower() for w in text.split()]
+
+
+def language_cuts(text: str, language: Language) -> list[int]:
+    """Word boundaries of a solution in ``language`` after its first word of that language."""
+    vocabulary = set(VOCABULARY[language])
+    return [i for i in cut_points(text) if vocabulary & set(words(text[:i]))]
+
+
+def language_prefix(problem: Problem, language: Language) -> str:
+    """The shortest prefix of the solution in ``language`` that has its first calculation's result
+    and a word of ``language``: the half-solution the build report asks each model to continue."""
+    text = problem.solution(language=language)
+    start = problem.first_calc_end(language=language)
+    return text[: next(i for i in language_cuts(text, language) if i >= start)]
+
+
+def language_continuation(problem: Problem, rng: random.Random, language: Language) -> tuple[str, str]:
+    """(prefix, continuation) of the solution in ``language``, cut at a random word boundary after
+    its first word of ``language``, so that the prefix shows its language and the continuation
+    keeps it. (English solutions of some templates start with the calculation: their first
+    English word comes after it.)"""
+    text = problem.solution(language=language)
+    cut = rng.choice(language_cuts(text, language))
     return text[:cut], text[cut:]
