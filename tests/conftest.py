@@ -89,3 +89,17 @@ def small_model(small_tok):
 def other_small_model(small_tok):
     """A second, different tiny Llama over the same tokenizer (a real junior)."""
     return tiny_llama(len(small_tok), seed=1, hidden=32, layers=1, heads=2, kv_heads=1)
+
+
+@pytest.fixture(scope="module")
+def machine_can_sandbox():
+    """Skip a module of sandbox tests on a machine without user namespaces (e.g. a non-root CI
+    runner on Ubuntu 24.04); any other refusal of the sandbox is a failure."""
+    from tandem_lit.verifiers.sandbox import Sandbox, SandboxUnavailableError
+
+    try:
+        Sandbox().check()
+    except SandboxUnavailableError as err:
+        if err.protection != "namespaces":
+            raise
+        pytest.skip(str(err))

@@ -19,24 +19,13 @@ from tandem_lit.verifiers.code import (
     stdout_matches,
     values_equal,
 )
-from tandem_lit.verifiers.sandbox import Sandbox, SandboxUnavailableError
+
+pytestmark = pytest.mark.usefixtures("machine_can_sandbox")  # (tests/conftest.py)
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 if not DATA.exists():
     DATA = Path("/work/shared/data")
 LIMITS = dict(timeout_s=2.0, completion_timeout_s=20.0)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def machine_can_sandbox():
-    """A machine without user namespaces (e.g. a non-root CI runner on Ubuntu 24.04) cannot run
-    these tests; any other refusal is a failure."""
-    try:
-        Sandbox().check()
-    except SandboxUnavailableError as err:
-        if err.protection != "namespaces":
-            raise
-        pytest.skip(str(err))
 
 
 @pytest.fixture(scope="module")

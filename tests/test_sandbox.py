@@ -24,6 +24,8 @@ from tandem_lit.verifiers import sandbox as sandbox_module
 from tandem_lit.verifiers.code import CodeVerifier, SandboxRefusedError
 from tandem_lit.verifiers.sandbox import DRIVER_MARK, Limits, Sandbox, SandboxUnavailableError
 
+pytestmark = pytest.mark.usefixtures("machine_can_sandbox")  # (tests/conftest.py)
+
 SANDBOX_UID = 65534
 LIMITS = dict(timeout_s=1.0, completion_timeout_s=4.0, memory_mb=256, max_processes=8, max_file_mb=4,
               max_output_bytes=1 << 16)
@@ -45,18 +47,6 @@ def sandbox_processes() -> set[int]:
         if DRIVER_MARK.encode() in cmdline or (os.geteuid() == 0 and uid == SANDBOX_UID):
             found.add(int(entry))
     return found
-
-
-@pytest.fixture(scope="module", autouse=True)
-def machine_can_sandbox():
-    """A machine without user namespaces (e.g. a non-root CI runner on Ubuntu 24.04) cannot run
-    these tests; any other refusal is a failure."""
-    try:
-        Sandbox().check()
-    except SandboxUnavailableError as err:
-        if err.protection != "namespaces":
-            raise
-        pytest.skip(str(err))
 
 
 @pytest.fixture(scope="module")

@@ -264,17 +264,8 @@ class StaticDecoderModel:
     def prefill(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:  # -> [B, V]
         """The model's own decoder stack over the prompts, then its LM head on the last position;
         keys/values land in slots [0, P)."""
-        from transformers import DynamicCache
-
-        from tandem_lit.rollout.engine import cache_kwarg
-
         batch, width = input_ids.shape
-        cache = DynamicCache(config=self.config)
-        positions = (attention_mask.cumsum(-1) - 1).clamp_min(0)
-        hidden = self.decoder_stack(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-            use_cache=True, **{cache_kwarg(self.decoder_stack): cache},
-        ).last_hidden_state
+        hidden, cache = prefill_with_cache(self.decoder_stack, self.config, input_ids, attention_mask)
         for i in range(len(self.layers)):
             keys, values = _layer_cache(cache, i)
             self.k_cache[i][:batch, :, :width].copy_(keys)
@@ -347,6 +338,22 @@ class StaticDecoderModel:
 
 def _eps(norm: nn.Module) -> float:
     return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+
+
+def prefill_with_cache(decoder_stack: nn.Module, config, input_ids: Tensor, attention_mask: Tensor):
+    """The model's own decoder stack over left-padded prompts: (last hidden states, its Hugging
+    Face cache), for a static decoder to copy into its buffers."""
+    from transformers import DynamicCache
+
+    from tandem_lit.rollout.engine import cache_kwarg
+
+    cache = DynamicCache(config=config)
+    positions = (attention_mask.cumsum(-1) - 1).clamp_min(0)
+    hidden = decoder_stack(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+        use_cache=True, **{cache_kwarg(decoder_stack): cache},
+    ).last_hidden_state
+    return hidden, cache
 
 
 def _layer_cache(cache, index: int) -> tuple[Tensor, Tensor]:

@@ -230,25 +230,16 @@ class HybridDecoderModel:
     def prefill(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:  # -> [B, V]
         """The model's own forward over the prompts; its cache is copied into the static buffers
         (keys/values into slots [0, P), the convolution and recurrent states as they end)."""
-        from transformers import DynamicCache
-
-        from tandem_lit.rollout.engine import cache_kwarg
+        from tandem_lit.rollout.fast import _layer_cache, prefill_with_cache
 
         batch, width = input_ids.shape
-        cache = DynamicCache(config=self.config)
-        positions = (attention_mask.cumsum(-1) - 1).clamp_min(0)
-        hidden = self.decoder_stack(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-            use_cache=True, **{cache_kwarg(self.decoder_stack): cache},
-        ).last_hidden_state
+        hidden, cache = prefill_with_cache(self.decoder_stack, self.config, input_ids, attention_mask)
         for i, (_, mixer, _) in enumerate(self.blocks):
             if isinstance(mixer, _DeltaLayer):
                 conv, recurrent = linear_attention_states(cache, i)
                 mixer.conv_state[:batch].copy_(conv[..., -mixer.kernel :])
                 mixer.state[:batch].copy_(recurrent)
             else:
-                from tandem_lit.rollout.fast import _layer_cache
-
                 keys, values = _layer_cache(cache, i)
                 self.k_cache[i][:batch, :, :width].copy_(keys)
                 self.v_cache[i][:batch, :, :width].copy_(values)
