@@ -1,6 +1,7 @@
 """Where one FastEngine decode step spends its time (GPU kernels, torch.profiler).
 
     python benchmarks/profile_step.py --batch 64 --new-tokens 128
+    python benchmarks/profile_step.py --models qwen35-9b-2b --batch 64 --new-tokens 128
 
 Prints the kernels with the most CUDA time over one rollout (solo and tandem), with each
 kernel's share, so the next optimisation targets the biggest row.
@@ -13,7 +14,15 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.rollout import QWEN3_1_7B, QWEN3_4B, build_qwen3, synthetic_tokenizer
+from benchmarks.rollout import (
+    QWEN3_1_7B,
+    QWEN3_4B,
+    QWEN35_2B,
+    QWEN35_9B,
+    build_qwen3,
+    build_qwen35,
+    synthetic_tokenizer,
+)
 from tandem_lit.rollout.fast import FastEngine
 from tandem_lit.rollout.handoff import SoloHandoff, WordHandoff
 from tandem_lit.rollout.record import PromptBatch
@@ -26,11 +35,15 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--rows", type=int, default=25)
+    parser.add_argument("--models", choices=["qwen3-4b-1.7b", "qwen35-9b-2b"], default="qwen3-4b-1.7b")
     args = parser.parse_args()
-    vocab = 151936
+    if args.models == "qwen35-9b-2b":
+        vocab, build, shapes = 248320, build_qwen35, (QWEN35_9B, QWEN35_2B)
+    else:
+        vocab, build, shapes = 151936, build_qwen3, (QWEN3_4B, QWEN3_1_7B)
     tokenizer = synthetic_tokenizer(vocab)
-    senior = build_qwen3(QWEN3_4B, vocab, torch.bfloat16, "cuda", seed=0)
-    junior = build_qwen3(QWEN3_1_7B, vocab, torch.bfloat16, "cuda", seed=1)
+    senior = build(shapes[0], vocab, torch.bfloat16, "cuda", seed=0)
+    junior = build(shapes[1], vocab, torch.bfloat16, "cuda", seed=1)
     engine = FastEngine()
     engine.setup(senior, junior, tokenizer)
     ids = torch.randint(4, vocab, (args.batch, args.prompt))

@@ -122,7 +122,9 @@ def test_default_engine_is_the_fast_engine_for_qwen35(models):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels need a GPU")
 def test_the_triton_step_equals_the_torch_step(tokenizer, models):
     """A linear-attention layer's two Triton kernels (convolution; normalisation, recurrence, gated
-    norm) against its torch step, states included; then whole rollouts on both paths."""
+    norm) and a full-attention layer's kernel against their torch steps, states and caches
+    included; then whole rollouts on both paths."""
+    from tandem_lit.rollout import kernels
     from tandem_lit.rollout.hybrid import _DeltaLayer
 
     senior, junior = models["hybrid"].cuda(), models["small_hybrid"].cuda()
@@ -142,6 +144,32 @@ def test_the_triton_step_equals_the_torch_step(tokenizer, models):
     torch.testing.assert_close(layer.step_fused(h), expected, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(layer.conv_state, expected_states[0])
     torch.testing.assert_close(layer.state, expected_states[1], rtol=1e-4, atol=1e-4)
+    # a gated full-attention layer: the one-kernel step against the torch step, caches included
+    index, attention = next((i, m) for i, (_, m, _) in enumerate(model.blocks) if not isinstance(m, _DeltaLayer))
+    slot, kv_len = torch.tensor([5], device="cuda"), 6
+    position = torch.tensor([5, 3, 4], device="cuda")
+    valid = torch.ones(3, 8, dtype=torch.bool, device="cuda")
+    valid[1, :2] = False  # a left-padded row
+    valid[:, 6:] = False
+    for cache in (model.k_cache[index], model.v_cache[index]):
+        cache.normal_()
+    caches = model.k_cache[index].clone(), model.v_cache[index].clone()
+    mask = torch.zeros(3, kv_len, device="cuda").masked_fill_(~valid[:, :kv_len], torch.finfo(torch.float32).min)
+    cos, sin = model.cos[position].unsqueeze(1), model.sin[position].unsqueeze(1)
+    expected = model._attend(index, attention, h, cos, sin, slot, mask[:, None, None, :], kv_len)
+    expected_caches = model.k_cache[index].clone(), model.v_cache[index].clone()
+    model.k_cache[index].copy_(caches[0])
+    model.v_cache[index].copy_(caches[1])
+    attention.fuse(share=False)
+    module = attention.module
+    attended = kernels.gated_attention(
+        *attention.project(h), module.q_norm.weight, module.k_norm.weight, module.q_norm.eps, model.cos, model.sin,
+        position, slot, model.k_cache[index], model.v_cache[index], valid, attention.scaling, model.heads,
+        model.kv_heads, model.head_dim,
+    )
+    torch.testing.assert_close(attention.o(attended), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(model.k_cache[index], expected_caches[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model.v_cache[index], expected_caches[1])
     # whole rollouts: the Triton path (CUDA graph) samples what the torch path samples
     prompts = prompt_batch(tokenizer, "cuda")
     torch_path = engine("fast", senior, junior, tokenizer, kernels="torch").generate(prompts, WordHandoff(p=0.5), SAMPLED)

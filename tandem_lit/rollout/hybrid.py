@@ -134,6 +134,16 @@ class _AttentionLayer:
         self.q, self.k, self.v, self.o = (_Linear(getattr(module, f"{n}_proj")) for n in "qkvo")
         self.head_dim = module.head_dim
         self.scaling = module.scaling
+        self.qkv = None  # q (with its gate), k, v as one GEMM (``fuse``)
+
+    def fuse(self, share: bool) -> None:
+        from tandem_lit.rollout.fast import _Fused
+
+        if not any(p.lora for p in (self.q, self.k, self.v)):
+            self.qkv = _Fused([self.q, self.k, self.v], share)
+
+    def project(self, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return self.qkv(h) if self.qkv is not None else (self.q(h), self.k(h), self.v(h))
 
 
 class HybridDecoderModel:
@@ -188,14 +198,14 @@ class HybridDecoderModel:
         from tandem_lit.rollout.fast import _Fused
 
         for i, (_, mixer, (gate, up, _)) in enumerate(self.blocks):
-            if isinstance(mixer, _DeltaLayer):
-                mixer.fuse(share)
+            mixer.fuse(share)
             if not (gate.lora or up.lora):
                 self.gate_up[i] = _Fused([gate, up], share)
 
     def sync(self) -> None:
         """Refresh the fused weight copies from the live parameters."""
-        fused = [*self.gate_up.values(), *(m.in_proj for _, m, _ in self.blocks if isinstance(m, _DeltaLayer))]
+        mixers = [m.in_proj if isinstance(m, _DeltaLayer) else m.qkv for _, m, _ in self.blocks]
+        fused = [*self.gate_up.values(), *mixers]
         for part in fused:
             if part is not None:
                 part.sync()
@@ -251,14 +261,14 @@ class HybridDecoderModel:
         layers write K/V at ``slot`` and attend to the valid slots below ``kv_len``; linear-attention
         layers advance their states. ``triton``: the recurrence as one Triton kernel (GPU)."""
         batch = token.shape[0]
+        x = self.embed.weight[token]
+        if triton:
+            return self._decode_fused(x, position, slot, valid[:batch])
         kv_len = min(kv_len, self.cos.shape[0])  # (the Triton engine passes its full length)
         valid = valid[:batch, :kv_len]
         mask = torch.zeros(valid.shape, dtype=self.dtype, device=self.device).masked_fill_(~valid, torch.finfo(self.dtype).min)
         mask = mask[:, None, None, :]
         cos, sin = self.cos[position].unsqueeze(1), self.sin[position].unsqueeze(1)  # [B, 1, rot]
-        x = self.embed.weight[token]
-        if triton:
-            return self._decode_fused(x, cos, sin, slot, mask, kv_len)
         for i, (layer, mixer, (gate, up, down)) in enumerate(self.blocks):
             h = _norm_1p(layer.input_layernorm, x)
             if isinstance(mixer, _DeltaLayer):
@@ -269,9 +279,9 @@ class HybridDecoderModel:
             x = x + down(F.silu(gate(h)) * up(h))
         return self.lm_head(_norm_1p(self.final_norm, x))
 
-    def _decode_fused(self, x: Tensor, cos: Tensor, sin: Tensor, slot: Tensor, mask: Tensor, kv_len: int) -> Tensor:
-        """The GPU step: residual adds fused into the norms, the linear-attention layers in two
-        Triton kernels, fused input and gate/up projections (the full-attention layers on torch ops)."""
+    def _decode_fused(self, x: Tensor, position: Tensor, slot: Tensor, valid: Tensor) -> Tensor:
+        """The GPU step: residual adds fused into the norms, a linear-attention layer in two Triton
+        kernels, a full-attention layer in one, fused input, q/k/v and gate/up projections."""
         from tandem_lit.rollout import kernels
 
         delta = None
@@ -281,7 +291,12 @@ class HybridDecoderModel:
             if isinstance(mixer, _DeltaLayer):
                 delta = mixer.step_fused(h)
             else:
-                delta = self._attend(i, mixer, h, cos, sin, slot, mask, kv_len)
+                attention = mixer.module
+                delta = mixer.o(kernels.gated_attention(
+                    *mixer.project(h), attention.q_norm.weight, attention.k_norm.weight, attention.q_norm.eps,
+                    self.cos, self.sin, position, slot, self.k_cache[i], self.v_cache[i], valid,
+                    mixer.scaling, self.heads, self.kv_heads, self.head_dim,
+                ))
             norm = layer.post_attention_layernorm
             h = kernels.add_rms_norm(x, delta, norm.weight, norm.eps, one_plus=True)
             gated, upped = self.gate_up[i](h) if i in self.gate_up else (gate(h), up(h))
