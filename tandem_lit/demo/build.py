@@ -28,9 +28,11 @@ is the language-gap setting in miniature, with ``LanguagePhase`` phases:
 
 * junior: the same small model, trained only on French solutions (``tandem_lit.demo.world``);
 * senior: the same larger model, trained first on English solutions, then on solutions that are
-  English ~99% of the time, where 80% of the examples start with a loss-free prefix in a random
-  language, continued in that language: it writes English when left alone and continues French in
-  French, as a pretrained LM that knows French but answers in English does.
+  English 75% of the time, where 80% of the examples start with a loss-free prefix in a random
+  language, continued in that language: it writes mostly English when left alone and continues
+  French in French, as a pretrained LM that knows French but answers in English does. With 99%
+  English it writes French worse, and its accuracy dipped below the junior's while tandem RL moved
+  it to French (docs/demo.md).
 """
 
 from __future__ import annotations
@@ -151,7 +153,7 @@ RECIPES: dict[str, Recipe] = {
         junior_phases=(LanguagePhase("fr", steps=1250, lr=3e-3, facts_share=0.15),),
         senior_phases=(
             LanguagePhase("en", steps=800, lr=3e-3, facts_share=0.35),
-            LanguagePhase("en", steps=700, lr=2e-3, language_share=0.99, prefix_share=0.8, facts_share=0.35),
+            LanguagePhase("en", steps=700, lr=2e-3, language_share=0.75, prefix_share=0.8, facts_share=0.35),
         ),
     ),
 }
