@@ -210,6 +210,19 @@ def test_gsm8k_solutions_are_the_tandem_prompts_with_or_without_jargon():
     assert not any("<<" in r["target"] for r in plain.rows("train"))
 
 
+def test_a_gsm8k_solution_without_its_final_answer_is_refused(tmp_path):
+    import json
+
+    from tandem_lit.data.sft_data import GSM8KSolutionsDataModule
+    from tandem_lit.errors import DataError
+
+    rows = [{"question": f"q{i}", "answer": f"{i}+1={i + 1}\n#### {i + 1}"} for i in range(4)]
+    rows[2]["answer"] = "3+1=4, no final line"
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError, match="####.*no final line"):
+        GSM8KSolutionsDataModule(source=str(tmp_path), val_size=0).rows("train")
+
+
 def test_the_context_is_formatted_as_the_tandem_module_formats_prompts():
     from conftest import tiny_tandem_module
     from transformers import AutoTokenizer

@@ -42,6 +42,13 @@ def load_table(source: str, split: str, hub_config: str | None = None) -> list[d
     return rows
 
 
+def final_answer(solution: str) -> str:
+    """The number after a GSM8K solution's ``####``; a solution without one is not GSM8K data."""
+    if "####" not in solution:
+        raise DataError(f"GSM8K solution has no '#### <number>' final answer: {solution[-80:]!r}")
+    return solution.rsplit("####", 1)[1].strip()
+
+
 class GSM8KDataModule(PromptDataModule):
     """GSM8K prompts with the final number as ``answer`` (for ``GSM8KVerifier``).
 
@@ -98,12 +105,10 @@ class GSM8KDataModule(PromptDataModule):
 
     def _row(self, record: dict[str, Any]) -> dict[str, Any]:
         solution = str(record[self.answer_field])
-        if "####" not in solution:
-            raise DataError(f"GSM8K answer has no '#### <number>' final answer: {solution[-80:]!r}")
         question = record[self.question_field]
         return {
             "prompt": self.prompt_template.format(**{**record, "question": question}),
             "question": question,
-            "answer": solution.rsplit("####", 1)[1].strip(),
+            "answer": final_answer(solution),
             "solution": solution,
         }

@@ -16,7 +16,7 @@ import warnings
 from typing import Any
 
 from tandem_lit.data.base import PromptDataModule, Split, held_out_split, require_fields
-from tandem_lit.data.gsm8k import load_table
+from tandem_lit.data.gsm8k import final_answer, load_table
 from tandem_lit.errors import ConfigError, DataError
 
 JARGON = r"<<[^<>\n]*>>"  # GSM8K's calculator annotations, <<48/2=24>> (TandemModule's jargon_pattern)
@@ -169,6 +169,5 @@ class GSM8KSolutionsDataModule(SFTDataModule):
         self.answer_field = answer_field
 
     def row(self, record: dict[str, Any]) -> dict[str, Any]:
-        if "####" not in str(record[self.answer_field]):
-            raise DataError(f"GSM8K solution has no '#### <number>' final answer: {str(record[self.answer_field])[-80:]!r}")
+        final_answer(str(record[self.answer_field]))  # the target must be gradable
         return super().row(record)
