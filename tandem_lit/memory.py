@@ -26,6 +26,11 @@ from tandem_lit.errors import ConfigError
 GIB = 1024**3
 FIXED_OVERHEAD = 3 * GIB  # CUDA context, cuBLAS workspaces, graph pools, allocator slack
 LOGIT_CHUNK_BYTES = 3 * GIB  # logprobs.CHUNK_ELEMENTS float32 logits, their log-softmax and its gradient
+# What a hybrid model's layers save per token over the Llama-block model below, as measured by
+# benchmarks/activation_bytes.py (bf16 autocast, 2,048 tokens, Qwen3.5-9B shapes, full weights and
+# LoRA): the Gated DeltaNet layer under transformers' torch fallback 2.8-3.0x, Qwen3.5's gated full
+# attention 1.25-1.5x. Without them a 9B LoRA step was estimated at 114 GiB and ran out of an H200.
+HYBRID_LAYER_FACTORS = {"linear_attention": 3.0, "full_attention": 1.5}
 
 
 class MemoryBudgetError(ConfigError):
@@ -45,6 +50,7 @@ class ModelShape:
     intermediate: int
     q_width: int  # attention heads x head_dim
     kv_width: int  # key/value heads x head_dim
+    layer_factors: tuple[float, ...] = ()  # per layer, saved bytes over a Llama block's (empty: all 1)
 
     @classmethod
     def of(cls, model: nn.Module) -> ModelShape:
@@ -65,6 +71,7 @@ class ModelShape:
             intermediate=config.intermediate_size,
             q_width=heads * head_dim,
             kv_width=(getattr(config, "num_key_value_heads", None) or heads) * head_dim,
+            layer_factors=hybrid_layer_factors(config),
         )
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
@@ -79,9 +86,19 @@ class ModelShape:
         c, r = compute_bytes, max(self.param_bytes, self.trainable_bytes)
         h, q, kv, inter = self.hidden, self.q_width, self.kv_width, self.intermediate
         per_layer = 2 * (r + c) * h + 2 * c * h + (4 + c) * (q + kv) + c * (3 * q + 2 * kv) + 4 * c * inter
+        factors = self.layer_factors or (1.0,) * self.layers
         if checkpointing:  # each layer keeps its input; one layer is recomputed at a time
-            return self.layers * r * h + per_layer
-        return self.layers * per_layer
+            return self.layers * r * h + int(max(factors) * per_layer)
+        return int(sum(factors) * per_layer)
+
+
+def hybrid_layer_factors(config) -> tuple[float, ...]:
+    """``HYBRID_LAYER_FACTORS`` per layer for a model with linear-attention layers (Qwen3.5); ()
+    for a plain transformer."""
+    types = list(getattr(config, "layer_types", None) or [])
+    if "linear_attention" not in types:
+        return ()
+    return tuple(HYBRID_LAYER_FACTORS.get(kind, 1.0) for kind in types)
 
 
 @dataclass

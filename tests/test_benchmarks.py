@@ -23,3 +23,23 @@ def test_train_step_benchmark_tiny(repo_root, tmp_path):
         assert step["rollout_seconds"] > 0 and step["update_seconds"] > 0 and step["decode_step_ms"] > 0
         assert step["response_length"] == 8  # EOS ignored: every rollout runs to the cap
     assert result["arms"]["tandem"]["engine"] == "FastEngine"
+
+
+def test_activation_bytes_counts_what_each_layer_type_saves(repo_root, monkeypatch):
+    """The calibration script behind docs/benchmarks.md's activation numbers, on tiny Qwen3.5
+    shapes: both layer types are measured, and what a layer saves grows with the tokens."""
+    from transformers import Qwen3_5TextConfig
+
+    monkeypatch.syspath_prepend(str(repo_root / "benchmarks"))
+    from activation_bytes import measure
+
+    config = Qwen3_5TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                               linear_key_head_dim=16, linear_value_head_dim=16, vocab_size=256)
+    short, long = measure("tiny", config, 128, 0), measure("tiny", config, 512, 0)
+    assert set(short) == {"estimate", "linear_attention", "full_attention"}
+    for kind in ("linear_attention", "full_attention"):
+        assert short[kind] > 0
+        # per token, a layer's saved tensors stay about the same as the sequence grows (no T^2 term saved)
+        assert 0.5 < long[kind] / short[kind] < 1.5
+    assert long["estimate"] == short["estimate"] > 0

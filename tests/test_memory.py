@@ -52,6 +52,33 @@ def test_kv_and_training_state_hand_computed():
     assert checkpointed.update["activations"] < estimate.update["activations"] / 5
 
 
+def test_hybrid_layers_count_what_their_torch_fallback_saves():
+    """Qwen3.5's Gated DeltaNet layers save ~3x a Llama block's bytes per token and its gated
+    attention ~1.5x (benchmarks/activation_bytes.py): the estimate weights each layer by its type,
+    and under checkpointing the recomputed layer is the largest."""
+    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+
+    from tandem_lit.memory import HYBRID_LAYER_FACTORS
+
+    config = Qwen3_5TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=16, vocab_size=256)
+    assert config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    with torch.device("meta"):
+        shape = ModelShape.of(AutoModelForCausalLM.from_config(config))
+    assert shape.layer_factors == (3.0, 3.0, 3.0, 1.5) == tuple(HYBRID_LAYER_FACTORS[t] for t in config.layer_types)
+    llama = ModelShape(**{**vars(shape), "layer_factors": ()})
+    per_layer = llama.activation_bytes_per_token(False, 2) / 4
+    assert shape.activation_bytes_per_token(False, 2) == int(10.5 * per_layer)
+    stored_inputs = 4 * 4 * 64  # each layer's float32 input
+    assert shape.activation_bytes_per_token(True, 2) == stored_inputs + int(3.0 * per_layer)
+    from transformers import Qwen3Config  # a plain transformer lists its layer types too: all full attention
+
+    plain = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, vocab_size=256)
+    with torch.device("meta"):
+        assert ModelShape.of(AutoModelForCausalLM.from_config(plain)).layer_factors == ()
+
+
 def test_a_step_that_cannot_fit_names_the_settings_to_change():
     settings = StepSettings(rollout_sequences=192, sequence_tokens=4024, micro_batch_tokens=64 * 4024, rollout_bytes=2, rollout_copy=True)
     estimate = estimate_step_memory(QWEN3_4B, None, settings)
