@@ -11,7 +11,9 @@ so the peak is the larger phase, not their sum. ``estimate_step_memory`` adds th
 the models' shapes and the run's settings; ``MemoryEstimate.check`` fails before the first step
 with what does not fit and which setting to change, instead of an out-of-memory trace mid-run.
 The activation model is deliberately simple (saved tensors of a Llama-family block under bf16
-autocast, counted per token); ``benchmarks/train_step.py`` prints it next to the measured peak.
+autocast, counted per token; a hybrid model's layers weighted by what they were measured to save,
+``HYBRID_LAYER_FACTORS``); ``benchmarks/train_step.py`` prints it next to the measured peak and
+``benchmarks/activation_bytes.py`` measures a layer's saved bytes against it.
 """
 
 from __future__ import annotations
