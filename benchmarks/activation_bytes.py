@@ -1,14 +1,15 @@
 """Bytes one decoder layer saves for the backward pass, per token, against the memory estimate's
-activation model (``tandem_lit.memory.ModelShape.activation_bytes_per_token``), on the CPU.
+activation model of a Llama block (``tandem_lit.memory.ModelShape.activation_bytes_per_token``)
+and the weight it gives the layer's type (``HYBRID_LAYER_FACTORS``), on the CPU.
 
     python benchmarks/activation_bytes.py --models qwen35-9b qwen3-4b --tokens 2048 [--lora 16]
 
 One layer of each type (Qwen3.5: Gated DeltaNet and gated full attention) at the real width,
 float32 weights under bf16 autocast as in training, runs forward over ``--tokens`` tokens; every
 tensor autograd saves is counted once (by storage), except the weights and their bf16 casts (the
-estimate counts weights and the autocast cache apart). Without flash-linear-
-attention, Qwen3.5's linear-attention layer runs transformers' torch fallback, as the update does
-on a GPU where fla-core cannot be used (docs/benchmarks.md).
+estimate counts weights and the autocast cache apart). Without flash-linear-attention, Qwen3.5's
+linear-attention layer runs transformers' torch fallback, as the update does on a GPU where
+fla-core cannot be used (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -22,14 +23,16 @@ from torch import nn
 from tandem_lit.memory import ModelShape
 
 
-def configs() -> dict:
-    from transformers import Qwen3_5TextConfig, Qwen3Config
+MODELS = {"qwen35-9b": "Qwen/Qwen3.5-9B", "qwen3-4b": "Qwen/Qwen3-4B-Instruct-2507"}
 
-    return {
-        "qwen35-9b": Qwen3_5TextConfig(),  # transformers' defaults are the 9B
-        "qwen3-4b": Qwen3Config(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-                                num_key_value_heads=8, head_dim=128, vocab_size=151_936),
-    }
+
+def config_of(name: str):
+    """The real-shape config ``benchmarks/train_step.py`` builds its models from."""
+    from train_step import SHAPES
+    from transformers import AutoConfig
+
+    shape = dict(SHAPES[MODELS[name]])
+    return AutoConfig.for_model(shape.pop("model_type"), **shape)
 
 
 def saved_bytes(layer: nn.Module, *args, **kwargs) -> int:
@@ -51,7 +54,7 @@ def saved_bytes(layer: nn.Module, *args, **kwargs) -> int:
 
 
 def measure(name: str, config, tokens: int, lora: int) -> dict[str, float]:
-    """Saved bytes per token of one layer of each type, and the estimate's (``estimate``)."""
+    """Saved bytes per token of one layer of each type, and the Llama-block model's (``estimate``)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -61,12 +64,14 @@ def measure(name: str, config, tokens: int, lora: int) -> dict[str, float]:
 
         whole = get_peft_model(whole, LoraConfig(r=lora, target_modules="all-linear"))
     shape = ModelShape.of(whole)
-    estimate = shape.activation_bytes_per_token(checkpointing=False, compute_bytes=2) / shape.layers
+    llama_block = ModelShape(**{**vars(shape), "layer_factors": ()})
+    estimate = llama_block.activation_bytes_per_token(checkpointing=False, compute_bytes=2) / shape.layers
     types = list(getattr(config, "layer_types", None) or ["full_attention"])
+    factors = dict(zip(types, shape.layer_factors))  # what the estimate weights each type by (hybrid models)
     module = __import__(type(whole.get_base_model() if lora else whole).__module__, fromlist=["_"])
     layer_class = next(getattr(module, n) for n in dir(module) if n.endswith("DecoderLayer"))
     rotary_class = next(getattr(module, n) for n in dir(module) if n.endswith("RotaryEmbedding"))
-    print(f"{name}: estimate {estimate / 1024:.1f} KiB/token per layer (lora={lora})")
+    print(f"{name}: Llama-block model {estimate / 1024:.1f} KiB/token per layer (lora={lora})")
     result = {"estimate": estimate}
     for kind in dict.fromkeys(types):
         index = types.index(kind)
@@ -84,19 +89,18 @@ def measure(name: str, config, tokens: int, lora: int) -> dict[str, float]:
         nbytes = saved_bytes(layer, hidden, position_embeddings=rotary, attention_mask=None, position_ids=positions)
         result[kind] = nbytes / tokens
         print(f"  {kind:<17} measured {nbytes / tokens / 1024:7.1f} KiB/token = {nbytes / tokens / estimate:.2f}x "
-              f"the estimate ({time.perf_counter() - start:.1f} s)")
+              f"the model; the estimate counts {factors.get(kind, 1.0):.2f}x ({time.perf_counter() - start:.1f} s)")
     return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=["qwen35-9b", "qwen3-4b"], choices=sorted(configs()))
+    parser.add_argument("--models", nargs="+", default=["qwen35-9b", "qwen3-4b"], choices=sorted(MODELS))
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--lora", type=int, default=0, help="LoRA rank on every linear layer (0: full weights)")
     args = parser.parse_args()
-    table = configs()
     for name in args.models:
-        measure(name, table[name], args.tokens, args.lora)
+        measure(name, config_of(name), args.tokens, args.lora)
 
 
 if __name__ == "__main__":
