@@ -22,7 +22,6 @@ from torch import nn
 
 from tandem_lit.memory import ModelShape
 
-
 MODELS = {"qwen35-9b": "Qwen/Qwen3.5-9B", "qwen3-4b": "Qwen/Qwen3-4B-Instruct-2507"}
 
 
