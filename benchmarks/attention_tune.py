@@ -11,7 +11,7 @@ import itertools
 import torch
 import triton.testing
 
-from tandem_lit.rollout.kernels import rope_attention
+from tandem_lit.rollout.static.kernels import rope_attention
 
 
 def main() -> None:

@@ -14,8 +14,8 @@ import argparse
 
 import torch
 
-from tandem_lit.rollout import kernels
-from tandem_lit.rollout.hybrid import HybridDecoderModel, _DeltaLayer
+from tandem_lit.rollout.static import kernels
+from tandem_lit.rollout.static.hybrid import HybridDecoderModel, _DeltaLayer
 
 
 def cuda_time_us(fn, repeats: int = 50) -> float:

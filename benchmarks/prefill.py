@@ -21,7 +21,7 @@ import triton.testing
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.rollout import QWEN3_1_7B, QWEN3_4B, build_qwen3
-from tandem_lit.rollout.fast import StaticDecoderModel
+from tandem_lit.rollout.static.plain import StaticDecoderModel
 
 
 def flops(shape: dict, tokens: int) -> float:

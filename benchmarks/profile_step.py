@@ -23,10 +23,10 @@ from benchmarks.rollout import (
     build_qwen35,
     synthetic_tokenizer,
 )
-from tandem_lit.rollout.fast import FastEngine
 from tandem_lit.rollout.handoff import SoloHandoff, WordHandoff
 from tandem_lit.rollout.record import PromptBatch
 from tandem_lit.rollout.sampling import SamplingConfig, sequence_seeds
+from tandem_lit.rollout.static import FastEngine
 
 
 def main() -> None:

@@ -28,10 +28,10 @@ import torch
 from benchmarks.rollout import QWEN3_1_7B, QWEN3_4B, Row, build_qwen3, sync, time_engine
 from tandem_lit.models import LoraSettings, ModelSource, apply_lora, load_causal_lm, quantization_config
 from tandem_lit.rollout.engine import HFEngine
-from tandem_lit.rollout.fast import FastEngine
 from tandem_lit.rollout.handoff import WordHandoff
 from tandem_lit.rollout.record import PromptBatch
 from tandem_lit.rollout.sampling import SamplingConfig, sequence_seeds
+from tandem_lit.rollout.static import FastEngine
 
 
 def qlora_senior(vocab: int, lora: LoraSettings):

@@ -31,10 +31,10 @@ import torch
 from torch import nn
 
 from tandem_lit.rollout.engine import HFEngine
-from tandem_lit.rollout.fast import FastEngine
 from tandem_lit.rollout.handoff import SoloHandoff, WordHandoff
 from tandem_lit.rollout.record import PromptBatch
 from tandem_lit.rollout.sampling import SamplingConfig, sequence_seeds
+from tandem_lit.rollout.static import FastEngine
 
 QWEN3_4B = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128)

@@ -802,7 +802,7 @@ def default_engine(senior: nn.Module, junior: nn.Module | None) -> RolloutEngine
     The senior's architecture is what counts: FastEngine decodes its own bf16 copy of it (LoRA
     merged, a 4-bit QLoRA base dequantised), so its training weights may be of any kind. The
     frozen junior is decoded in place, so its weights must be plain too."""
-    from tandem_lit.rollout.fast import check_architecture, decoder_model
+    from tandem_lit.rollout.static import check_architecture, decoder_model
     from tandem_lit.rollout.weights import plain_model
 
     try:
@@ -815,7 +815,7 @@ def default_engine(senior: nn.Module, junior: nn.Module | None) -> RolloutEngine
             "GPU, docs/benchmarks.md): %s. Set model.engine to choose the engine yourself.", reason,
         )
         return HFEngine()
-    from tandem_lit.rollout.fast import FastEngine
+    from tandem_lit.rollout.static import FastEngine
 
     return FastEngine()
 

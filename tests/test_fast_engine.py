@@ -14,10 +14,10 @@ from transformers import LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3C
 
 from tandem_lit.errors import ConfigError
 from tandem_lit.rollout.engine import HFEngine
-from tandem_lit.rollout.fast import FastEngine
 from tandem_lit.rollout.handoff import LineHandoff, ParagraphHandoff, SoloHandoff, TokenHandoff, WordHandoff
 from tandem_lit.rollout.record import Author, PromptBatch
 from tandem_lit.rollout.sampling import SamplingConfig, sequence_seeds
+from tandem_lit.rollout.static import FastEngine
 from tandem_lit.tiny import char_tokenizer, tiny_llama_config
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -243,8 +243,8 @@ def test_triton_kernels_match_torch_path(tokenizer, arch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels need a GPU")
 def test_fused_sampler_matches_torch_sampling_at_full_vocabulary():
-    from tandem_lit.rollout import kernels
     from tandem_lit.rollout.sampling import sample_tokens, uniform
+    from tandem_lit.rollout.static import kernels
 
     torch.manual_seed(0)
     batch, vocab = 256, 151936

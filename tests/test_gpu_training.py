@@ -18,7 +18,7 @@ from tandem_lit.models import LoraSettings, ModelSource
 from tandem_lit.module import TandemModule
 from tandem_lit.objectives import GRPO
 from tandem_lit.rollout import SamplingConfig, WordHandoff
-from tandem_lit.rollout.fast import FastEngine
+from tandem_lit.rollout.static import FastEngine
 from tandem_lit.settings import MemorySettings
 from tandem_lit.verifiers.base import Grade, Verifier
 

@@ -12,10 +12,10 @@ from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
 from tandem_lit.logprobs import completion_logprobs
 from tandem_lit.rollout.engine import HFEngine
-from tandem_lit.rollout.fast import FastEngine
 from tandem_lit.rollout.handoff import SoloHandoff, WordHandoff
-from tandem_lit.rollout.hybrid import HybridDecoderModel
 from tandem_lit.rollout.sampling import SamplingConfig
+from tandem_lit.rollout.static import FastEngine
+from tandem_lit.rollout.static.hybrid import HybridDecoderModel
 from tandem_lit.rollout.weights import rollout_named_tensors
 from tandem_lit.tiny import char_tokenizer
 from tests.test_fast_engine import DEVICES, assert_same_rollouts, build, prompt_batch
@@ -124,8 +124,8 @@ def test_the_triton_step_equals_the_torch_step(tokenizer, models):
     """A linear-attention layer's two Triton kernels (convolution; normalisation, recurrence, gated
     norm) and a full-attention layer's kernel against their torch steps, states and caches
     included; then whole rollouts on both paths."""
-    from tandem_lit.rollout import kernels
-    from tandem_lit.rollout.hybrid import _DeltaLayer
+    from tandem_lit.rollout.static import kernels
+    from tandem_lit.rollout.static.hybrid import _DeltaLayer
 
     senior, junior = models["hybrid"].cuda(), models["small_hybrid"].cuda()
     model = HybridDecoderModel(senior)

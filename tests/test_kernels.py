@@ -20,8 +20,8 @@ CHECK = textwrap.dedent("""
     import torch
     import triton.runtime.interpreter as interpreter
 
-    from tandem_lit.rollout import kernels
-    from tandem_lit.rollout.fast import _rms_norm, _rotate_half
+    from tandem_lit.rollout.static import kernels
+    from tandem_lit.rollout.static.blocks import rms_norm as _rms_norm, rotate_half as _rotate_half
 
     # The interpreter holds a loaded scalar as a 1-element array, which numpy 2 will not int():
     # the attention kernel's loop bound (read on the device) needs that conversion.

@@ -10,10 +10,10 @@ import torch
 
 from tandem_lit.errors import ConfigError
 from tandem_lit.rollout.engine import HFEngine
-from tandem_lit.rollout.fast import FastEngine
 from tandem_lit.rollout.handoff import SoloHandoff, WordHandoff
 from tandem_lit.rollout.record import PromptBatch
 from tandem_lit.rollout.sampling import SamplingConfig, sequence_seeds
+from tandem_lit.rollout.static import FastEngine
 from tandem_lit.settings import PromptFormat
 from tests.test_fast_engine import DEVICES, assert_same_rollouts, build
 

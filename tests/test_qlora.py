@@ -39,7 +39,7 @@ def test_qlora_trains_on_gpu_and_the_fast_engine_decodes_the_merged_dequantised_
     from tandem_lit.module import TandemModule
     from tandem_lit.objectives import GRPO
     from tandem_lit.rollout import SamplingConfig, WordHandoff
-    from tandem_lit.rollout.fast import FastEngine
+    from tandem_lit.rollout.static import FastEngine
     from tests.test_gpu_training import HasSpaceVerifier, Rows
 
     module = TandemModule(

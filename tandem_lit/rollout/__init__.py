@@ -1,7 +1,6 @@
 """Rollouts: the Rollout record, handoff policies, sampling and engines."""
 
 from tandem_lit.rollout.engine import HFEngine, RolloutEngine, TokenizerMismatchError
-from tandem_lit.rollout.fast import FastEngine
 from tandem_lit.rollout.handoff import (
     HandoffPolicy,
     LineHandoff,
@@ -13,6 +12,7 @@ from tandem_lit.rollout.handoff import (
 )
 from tandem_lit.rollout.record import Author, PromptBatch, Rollout
 from tandem_lit.rollout.sampling import SamplingConfig
+from tandem_lit.rollout.static import FastEngine
 from tandem_lit.rollout.text_handoff import TextHandoffEngine
 
 __all__ = [

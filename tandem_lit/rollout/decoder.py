@@ -111,7 +111,7 @@ class TandemDecoder:
               allowed: Tensor | None = None) -> Tensor:
         """A token per row from the logits of that row's ``author``."""
         if self.fused_sampling:
-            from tandem_lit.rollout import kernels
+            from tandem_lit.rollout.static import kernels
 
             if senior is None or junior is None:
                 return kernels.sample_rows(senior if junior is None else junior, u, self.sampling.temperature, allowed=allowed)
@@ -126,7 +126,7 @@ class TandemDecoder:
 
     def _senior_logprob(self, senior: Tensor, token: Tensor) -> Tensor:  # [B, V], [B] -> [B, 1]
         if self.fused_sampling:
-            from tandem_lit.rollout import kernels
+            from tandem_lit.rollout.static import kernels
 
             return kernels.token_logprobs(senior, token, self.logprob_temperature).unsqueeze(-1)
         return (senior.float() / self.logprob_temperature).log_softmax(-1).gather(-1, token.unsqueeze(-1))

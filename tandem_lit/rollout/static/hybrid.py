@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tandem_lit.errors import ConfigError
+from tandem_lit.rollout.static.blocks import Fused, Linear, layer_cache, prefill_with_cache, rotate_half
 
 HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 
@@ -39,11 +40,6 @@ def _norm_1p(module: nn.Module, x: Tensor) -> Tensor:
     return (out * (1.0 + module.weight.float())).to(x.dtype)
 
 
-def _rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def _l2norm(x: Tensor) -> Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
 
@@ -52,11 +48,10 @@ class _DeltaLayer:
     """One Gated DeltaNet layer's weights and its static per-sequence state."""
 
     def __init__(self, module: nn.Module):
-        from tandem_lit.rollout.fast import _Linear
 
         self.module = module
-        self.qkv, self.z, self.b, self.a = (_Linear(getattr(module, f"in_proj_{n}")) for n in ("qkv", "z", "b", "a"))
-        self.out = _Linear(module.out_proj)
+        self.qkv, self.z, self.b, self.a = (Linear(getattr(module, f"in_proj_{n}")) for n in ("qkv", "z", "b", "a"))
+        self.out = Linear(module.out_proj)
         self.conv_weight = module.conv1d.weight  # [conv_dim, 1, K]
         self.kernel = module.conv_kernel_size
         self.k_heads, self.v_heads = module.num_k_heads, module.num_v_heads
@@ -67,11 +62,10 @@ class _DeltaLayer:
         self.state: Tensor | None = None  # [B, v_heads, k_dim, v_dim] float32
 
     def fuse(self, share: bool) -> None:
-        from tandem_lit.rollout.fast import _Fused
 
         parts = [self.qkv, self.z, self.b, self.a]
         if not any(p.lora for p in parts):
-            self.in_proj = _Fused(parts, share)
+            self.in_proj = Fused(parts, share)
 
     def allocate(self, batch: int, device, dtype) -> None:
         conv_dim = self.conv_weight.shape[0]
@@ -83,7 +77,7 @@ class _DeltaLayer:
 
     def step_fused(self, h: Tensor) -> Tensor:  # [B, H] -> [B, H]
         """The same step in two Triton kernels (GPU), over one fused input projection if present."""
-        from tandem_lit.rollout import kernels
+        from tandem_lit.rollout.static import kernels
 
         batch, m = h.shape[0], self.module
         qkv, z, b, a = self.in_proj(h) if self.in_proj is not None else (self.qkv(h), self.z(h), self.b(h), self.a(h))
@@ -128,19 +122,17 @@ class _AttentionLayer:
     """A gated full-attention layer (Qwen3.5): output gate, partial rotary, zero-centred q/k norms."""
 
     def __init__(self, module: nn.Module):
-        from tandem_lit.rollout.fast import _Linear
 
         self.module = module
-        self.q, self.k, self.v, self.o = (_Linear(getattr(module, f"{n}_proj")) for n in "qkvo")
+        self.q, self.k, self.v, self.o = (Linear(getattr(module, f"{n}_proj")) for n in "qkvo")
         self.head_dim = module.head_dim
         self.scaling = module.scaling
         self.qkv = None  # q (with its gate), k, v as one GEMM (``fuse``)
 
     def fuse(self, share: bool) -> None:
-        from tandem_lit.rollout.fast import _Fused
 
         if not any(p.lora for p in (self.q, self.k, self.v)):
-            self.qkv = _Fused([self.q, self.k, self.v], share)
+            self.qkv = Fused([self.q, self.k, self.v], share)
 
     def project(self, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         return self.qkv(h) if self.qkv is not None else (self.q(h), self.k(h), self.v(h))
@@ -161,14 +153,13 @@ class HybridDecoderModel:
         self.embed = inner.embed_tokens
         self.final_norm = inner.norm
         self.rotary = inner.rotary_emb
-        from tandem_lit.rollout.fast import _Linear
 
-        self.lm_head = _Linear(base.lm_head)
+        self.lm_head = Linear(base.lm_head)
         self.layer_types = list(config.layer_types)
         self.blocks = []
         for layer, kind in zip(inner.layers, self.layer_types):
             mixer = _DeltaLayer(layer.linear_attn) if kind == "linear_attention" else _AttentionLayer(layer.self_attn)
-            mlp = tuple(_Linear(getattr(layer.mlp, f"{n}_proj")) for n in ("gate", "up", "down"))
+            mlp = tuple(Linear(getattr(layer.mlp, f"{n}_proj")) for n in ("gate", "up", "down"))
             self.blocks.append((layer, mixer, mlp))
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
@@ -194,13 +185,12 @@ class HybridDecoderModel:
 
     def fuse_projections(self, share: bool) -> None:
         """One GEMM for each linear-attention layer's four input projections and for each gate/up
-        pair (the Triton path; see ``fast._Fused`` for ``share``)."""
-        from tandem_lit.rollout.fast import _Fused
+        pair (the Triton path; see ``blocks.Fused`` for ``share``)."""
 
         for i, (_, mixer, (gate, up, _)) in enumerate(self.blocks):
             mixer.fuse(share)
             if not (gate.lora or up.lora):
-                self.gate_up[i] = _Fused([gate, up], share)
+                self.gate_up[i] = Fused([gate, up], share)
 
     def sync(self) -> None:
         """Refresh the fused weight copies from the live parameters."""
@@ -240,7 +230,6 @@ class HybridDecoderModel:
     def prefill(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:  # -> [B, V]
         """The model's own forward over the prompts; its cache is copied into the static buffers
         (keys/values into slots [0, P), the convolution and recurrent states as they end)."""
-        from tandem_lit.rollout.fast import _layer_cache, prefill_with_cache
 
         batch, width = input_ids.shape
         hidden, cache = prefill_with_cache(self.decoder_stack, self.config, input_ids, attention_mask)
@@ -250,7 +239,7 @@ class HybridDecoderModel:
                 mixer.conv_state[:batch].copy_(conv[..., -mixer.kernel :])
                 mixer.state[:batch].copy_(recurrent)
             else:
-                keys, values = _layer_cache(cache, i)
+                keys, values = layer_cache(cache, i)
                 self.k_cache[i][:batch, :, :width].copy_(keys)
                 self.v_cache[i][:batch, :, :width].copy_(values)
         last = hidden[:, -1:].contiguous()
@@ -282,7 +271,7 @@ class HybridDecoderModel:
     def _decode_fused(self, x: Tensor, position: Tensor, slot: Tensor, valid: Tensor) -> Tensor:
         """The GPU step: residual adds fused into the norms, a linear-attention layer in two Triton
         kernels, a full-attention layer in one, fused input, q/k/v and gate/up projections."""
-        from tandem_lit.rollout import kernels
+        from tandem_lit.rollout.static import kernels
 
         delta = None
         for i, (layer, mixer, (gate, up, down)) in enumerate(self.blocks):
@@ -312,8 +301,8 @@ class HybridDecoderModel:
         k = _norm_1p(layer.module.k_norm, layer.k(h).view(batch, self.kv_heads, d))
         v = layer.v(h).view(batch, self.kv_heads, d)
         rot = cos.shape[-1]  # rotary on the first `rot` dimensions of each head only
-        q = torch.cat([q[..., :rot] * cos + _rotate_half(q[..., :rot]) * sin, q[..., rot:]], dim=-1)
-        k = torch.cat([k[..., :rot] * cos + _rotate_half(k[..., :rot]) * sin, k[..., rot:]], dim=-1)
+        q = torch.cat([q[..., :rot] * cos + rotate_half(q[..., :rot]) * sin, q[..., rot:]], dim=-1)
+        k = torch.cat([k[..., :rot] * cos + rotate_half(k[..., :rot]) * sin, k[..., rot:]], dim=-1)
         k_cache, v_cache = self.k_cache[i][:batch], self.v_cache[i][:batch]
         k_cache.index_copy_(2, slot, k.unsqueeze(2))
         v_cache.index_copy_(2, slot, v.unsqueeze(2))

@@ -1,0 +1,129 @@
+"""Building blocks both static decoders use (plain Llama-family and Qwen3.5 hybrid).
+
+Linear layers read from the live parameters (LoRA adapters included), fused projections, the
+transformers-order RMSNorm and rotary helpers, and the prefill through a model's own decoder stack
+whose Hugging Face cache the decoders copy into their static buffers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tandem_lit.errors import ConfigError
+
+
+class Linear:
+    """``x W^T + b`` plus any active LoRA adapters, read from the live peft parameters."""
+
+    def __init__(self, module: nn.Module):
+        if hasattr(module, "base_layer") and hasattr(module, "lora_A"):  # a peft LoRA layer
+            base = module.base_layer
+            merged = getattr(module, "merged", False)
+            self.lora = [] if merged else [
+                (module.lora_A[name].weight, module.lora_B[name].weight, float(module.scaling[name]))
+                for name in module.active_adapters
+                if name in module.lora_A
+            ]
+        else:
+            base, self.lora = module, []
+        if not isinstance(base, nn.Linear) or not base.weight.dtype.is_floating_point:
+            raise ConfigError(
+                f"FastEngine reads plain linear weights; {type(base).__name__} ({base.weight.dtype}) is not one "
+                "(4-bit/8-bit bases need engine: HFEngine)"
+            )
+        self.weight, self.bias = base.weight, base.bias
+
+    def __call__(self, x: Tensor) -> Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        for a, b, scale in self.lora:
+            y = y + F.linear(F.linear(x, a), b) * scale
+        return y
+
+
+class Fused:
+    """Projections of one input as one GEMM over one concatenated weight.
+
+    Reading q/k/v (and gate/up) as one matrix is markedly faster at decode batch sizes than three
+    (two) thin products. With ``share`` (the engine's own rollout copy) the parts' parameters
+    become views of the fused tensor, so loading weights into them fills it: no second copy, no
+    sync. Otherwise (trained weights decoded in place) the fused tensor is a copy that ``sync()``
+    refreshes at the start of every rollout batch, so it never lags the policy. Only for
+    projections without LoRA.
+    """
+
+    def __init__(self, parts: list[Linear], share: bool = False):
+        self.parts = parts
+        self.sizes = [p.weight.shape[0] for p in parts]
+        self.weight = torch.cat([p.weight.detach() for p in parts])
+        has_bias = any(p.bias is not None for p in parts)
+        self.bias = torch.cat([self._bias(p) for p in parts]) if has_bias else None
+        self.shared = share
+        if share:
+            for part, weight, bias in zip(parts, self.weight.split(self.sizes), self._bias_views()):
+                part.weight.data = weight
+                if part.bias is not None:
+                    part.bias.data = bias
+
+    def _bias_views(self) -> list[Tensor | None]:
+        return list(self.bias.split(self.sizes)) if self.bias is not None else [None] * len(self.parts)
+
+    @staticmethod
+    def _bias(part: Linear) -> Tensor:
+        w = part.weight
+        return part.bias.detach() if part.bias is not None else w.new_zeros(w.shape[0])
+
+    def sync(self) -> None:
+        if self.shared:
+            return
+        torch.cat([p.weight.detach() for p in self.parts], out=self.weight)
+        if self.bias is not None:
+            torch.cat([self._bias(p) for p in self.parts], out=self.bias)
+
+    def __call__(self, x: Tensor) -> tuple[Tensor, ...]:
+        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    # the same op order as transformers' LlamaRMSNorm / Qwen3RMSNorm
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def norm(module: nn.Module, x: Tensor) -> Tensor:
+    return rms_norm(x, module.weight, eps_of(module))
+
+
+def eps_of(norm: nn.Module) -> float:
+    return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+
+
+def prefill_with_cache(decoder_stack: nn.Module, config, input_ids: Tensor, attention_mask: Tensor):
+    """The model's own decoder stack over left-padded prompts: (last hidden states, its Hugging
+    Face cache), for a static decoder to copy into its buffers."""
+    from transformers import DynamicCache
+
+    from tandem_lit.rollout.engine import cache_kwarg
+
+    cache = DynamicCache(config=config)
+    positions = (attention_mask.cumsum(-1) - 1).clamp_min(0)
+    hidden = decoder_stack(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+        use_cache=True, **{cache_kwarg(decoder_stack): cache},
+    ).last_hidden_state
+    return hidden, cache
+
+
+def layer_cache(cache, index: int) -> tuple[Tensor, Tensor]:
+    if hasattr(cache, "layers"):  # transformers >= 4.56
+        layer = cache.layers[index]
+        return layer.keys, layer.values
+    return cache.key_cache[index], cache.value_cache[index]

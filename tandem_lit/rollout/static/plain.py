@@ -1,0 +1,204 @@
+"""The plain decoder: one Llama-family model's decode step over a static KV cache (Llama,
+Mistral, Qwen2, Qwen3), a small reimplementation of the block that reads the parameters of the
+model it is given."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tandem_lit.errors import ConfigError
+from tandem_lit.rollout.static.blocks import (
+    Fused,
+    Linear,
+    eps_of,
+    layer_cache,
+    norm,
+    prefill_with_cache,
+    rotate_half,
+)
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # and Qwen3.5's hybrid attention: hybrid.py
+_POSITION_ONLY_ROPE = ("default", "linear", "llama3", "yarn", None)
+
+
+class _Layer:
+    def __init__(self, layer: nn.Module):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.q, self.k, self.v, self.o = (Linear(getattr(attn, f"{n}_proj")) for n in "qkvo")
+        self.gate, self.up, self.down = Linear(mlp.gate_proj), Linear(mlp.up_proj), Linear(mlp.down_proj)
+        self.input_norm = layer.input_layernorm
+        self.post_norm = layer.post_attention_layernorm
+        self.q_norm = getattr(attn, "q_norm", None)  # Qwen3
+        self.k_norm = getattr(attn, "k_norm", None)
+        self.qkv: Fused | None = None
+        self.gate_up: Fused | None = None
+
+    def fuse(self, share: bool) -> None:
+        if not (self.q.lora or self.k.lora or self.v.lora):
+            self.qkv = Fused([self.q, self.k, self.v], share)
+        if not (self.gate.lora or self.up.lora):
+            self.gate_up = Fused([self.gate, self.up], share)
+
+    def sync(self) -> None:
+        for fused in (self.qkv, self.gate_up):
+            if fused is not None:
+                fused.sync()
+
+    def project_qkv(self, h: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return self.qkv(h) if self.qkv is not None else (self.q(h), self.k(h), self.v(h))
+
+    def mlp_inputs(self, h: Tensor) -> tuple[Tensor, Tensor]:
+        return self.gate_up(h) if self.gate_up is not None else (self.gate(h), self.up(h))
+
+
+class StaticDecoderModel:
+    """One Llama-family model's decode step over a static KV cache."""
+
+    def __init__(self, model: nn.Module):
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        config = base.config
+        self.check_architecture(config)
+        self.model = model
+        self.config = config
+        self.sliding_window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+        inner = base.model
+        self.decoder_stack = inner  # the model without its LM head (embeddings, layers, final norm)
+        self.embed = inner.embed_tokens
+        self.layers = [_Layer(layer) for layer in inner.layers]
+        self.final_norm = inner.norm
+        self.lm_head = Linear(base.lm_head)
+        self.rotary = inner.rotary_emb
+        self.heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.scaling = self.head_dim**-0.5
+        weight = self.embed.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        self.k_cache: list[Tensor] = []
+        self.v_cache: list[Tensor] = []
+        self.cos = self.sin = None
+
+    @staticmethod
+    def check_architecture(config) -> None:
+        """Raise ConfigError naming what FastEngine cannot decode in this model config."""
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"FastEngine supports {', '.join(SUPPORTED_MODEL_TYPES)} and qwen3_5 architectures, not {model_type!r}; "
+                "set the engine to HFEngine for this model"
+            )
+        rope = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None) or {}
+        rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+        if rope_type not in _POSITION_ONLY_ROPE:
+            raise ConfigError(f"FastEngine needs position-only rotary embeddings, not rope_type={rope_type!r}; use HFEngine")
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ConfigError(f"FastEngine supports SiLU MLPs, not hidden_act={config.hidden_act!r}; use HFEngine")
+
+    def first_weight_ptr(self) -> int:
+        return self.embed.weight.data_ptr()
+
+    def fuse_projections(self, share: bool) -> None:
+        for layer in self.layers:
+            layer.fuse(share)
+
+    def sync(self) -> None:
+        """Refresh the fused weight copies from the live parameters."""
+        for layer in self.layers:
+            layer.sync()
+
+    def allocate(self, batch: int, length: int) -> None:
+        """Static caches for ``batch`` sequences of up to ``length`` tokens, and the rotary table."""
+        if self.sliding_window is not None and length > self.sliding_window:
+            raise ConfigError(
+                f"sequences of {length} tokens exceed the model's sliding window ({self.sliding_window}); "
+                "FastEngine attends to the full context: use HFEngine"
+            )
+        self.free()  # the old caches go before the new ones are allocated
+        shape = (batch, self.kv_heads, length, self.head_dim)
+        self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        probe = torch.zeros(1, 1, self.head_dim, dtype=self.dtype, device=self.device)
+        positions = torch.arange(length, device=self.device).unsqueeze(0)
+        cos, sin = self.rotary(probe, positions)
+        self.cos, self.sin = cos[0].to(self.dtype), sin[0].to(self.dtype)  # [length, head_dim]
+
+    def free(self) -> None:
+        self.k_cache, self.v_cache = [], []
+        self.cos = self.sin = None
+
+    @torch.no_grad()
+    def prefill(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:  # -> [B, V]
+        """The model's own decoder stack over the prompts, then its LM head on the last position;
+        keys/values land in slots [0, P)."""
+        batch, width = input_ids.shape
+        hidden, cache = prefill_with_cache(self.decoder_stack, self.config, input_ids, attention_mask)
+        for i in range(len(self.layers)):
+            keys, values = layer_cache(cache, i)
+            self.k_cache[i][:batch, :, :width].copy_(keys)
+            self.v_cache[i][:batch, :, :width].copy_(values)
+        last = hidden[:, -1:]  # what ``logits_to_keep=1`` hands the LM head (bit-equal to HFEngine on CPU)
+        if last.is_cuda:
+            # on that strided view cuBLAS picked a kernel that took ~10 ms instead of ~0.2
+            # (H200, batch 64 x 128 prompt tokens; benchmarks/prefill.py)
+            last = last.contiguous()
+        return self.lm_head(last)[:, -1]
+
+    def decode(self, token: Tensor, position: Tensor, slot: Tensor, valid: Tensor, kv_len: int, triton: bool) -> Tensor:
+        """One token per sequence: write its K/V at ``slot``, attend to the valid slots up to it.
+
+        token, position: [B] long; slot: [1] long; valid: [Bcap, S] bool -> logits [B, V].
+        The torch path attends to slots [0, kv_len); the Triton path reads the bound from ``slot``.
+        """
+        if triton:
+            return self._decode_triton(token, position, slot, valid)
+        batch = token.shape[0]
+        valid = valid[:batch, :kv_len]
+        x = self.embed.weight[token]  # [B, H]
+        cos = self.cos[position].unsqueeze(1)  # [B, 1, D]
+        sin = self.sin[position].unsqueeze(1)
+        mask = torch.zeros(valid.shape, dtype=self.dtype, device=self.device).masked_fill_(~valid, torch.finfo(self.dtype).min)
+        mask = mask[:, None, None, :]  # [B, 1, 1, kv_len]
+        group = self.heads // self.kv_heads
+        for i, layer in enumerate(self.layers):
+            h = norm(layer.input_norm, x)
+            q = layer.q(h).view(batch, self.heads, self.head_dim)
+            k = layer.k(h).view(batch, self.kv_heads, self.head_dim)
+            v = layer.v(h).view(batch, self.kv_heads, self.head_dim)
+            if layer.q_norm is not None:
+                q, k = norm(layer.q_norm, q), norm(layer.k_norm, k)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            k_cache, v_cache = self.k_cache[i][:batch], self.v_cache[i][:batch]
+            k_cache.index_copy_(2, slot, k.unsqueeze(2))
+            v_cache.index_copy_(2, slot, v.unsqueeze(2))
+            keys, values = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]  # [B, KV, S, D]
+            q = q.view(batch, self.kv_heads, group, self.head_dim)
+            scores = torch.matmul(q, keys.transpose(-1, -2)) * self.scaling + mask  # [B, KV, G, S]
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
+            attended = torch.matmul(probs, values).reshape(batch, self.heads * self.head_dim)
+            x = x + layer.o(attended)
+            h = norm(layer.post_norm, x)
+            x = x + layer.down(F.silu(layer.gate(h)) * layer.up(h))
+        return self.lm_head(norm(self.final_norm, x))
+
+    def _decode_triton(self, token: Tensor, position: Tensor, slot: Tensor, valid: Tensor) -> Tensor:
+        from tandem_lit.rollout.static import kernels
+
+        x = self.embed.weight[token]  # [B, H], the residual stream (updated in place)
+        delta = None
+        for i, layer in enumerate(self.layers):
+            h = kernels.add_rmsnorm(x, delta, layer.input_norm.weight, eps_of(layer.input_norm))
+            attended = kernels.rope_attention(
+                *layer.project_qkv(h),
+                layer.q_norm.weight if layer.q_norm is not None else None,
+                layer.k_norm.weight if layer.k_norm is not None else None,
+                eps_of(layer.q_norm) if layer.q_norm is not None else 0.0,
+                self.cos, self.sin, position, slot, self.k_cache[i], self.v_cache[i], valid,
+                self.scaling, self.heads, self.kv_heads, self.head_dim,
+            )
+            delta = layer.o(attended)
+            h = kernels.add_rmsnorm(x, delta, layer.post_norm.weight, eps_of(layer.post_norm))
+            delta = layer.down(kernels.silu_mul(*layer.mlp_inputs(h)))
+        return self.lm_head(kernels.add_rmsnorm(x, delta, self.final_norm.weight, eps_of(self.final_norm)))
