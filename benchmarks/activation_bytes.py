@@ -1,5 +1,5 @@
 """Bytes one decoder layer saves for the backward pass, per token, against the memory estimate's
-activation model of a Llama block (``tandem_lit.memory.ModelShape.activation_bytes_per_token``)
+activation model of a Llama block (``tandem_lit.training.memory.ModelShape.activation_bytes_per_token``)
 and the weight it gives the layer's type (``HYBRID_LAYER_FACTORS``), on the CPU.
 
     python benchmarks/activation_bytes.py --models qwen35-9b qwen3-4b --tokens 2048 [--lora 16]
@@ -20,7 +20,7 @@ import time
 import torch
 from torch import nn
 
-from tandem_lit.memory import ModelShape
+from tandem_lit.training.memory import ModelShape
 
 MODELS = {"qwen35-9b": "Qwen/Qwen3.5-9B", "qwen3-4b": "Qwen/Qwen3-4B-Instruct-2507"}
 

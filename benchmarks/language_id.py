@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 
-from tandem_lit.language import IDENTIFIERS, LanguageShare, letters, load_py3langid
+from tandem_lit.evaluation.language import IDENTIFIERS, LanguageShare, letters, load_py3langid
 
 LANGUAGES = ["en", "fr", "de", "es", "bg"]
 SHORT_WORDS = 6  # "short": at most this many words, numbers included
@@ -335,7 +335,7 @@ def math_only(identifier: str) -> dict:
 
 MEMORY_PROBE = """
 import sys
-from tandem_lit.language import LanguageShare
+from tandem_lit.evaluation.language import LanguageShare
 sys.path.insert(0, "benchmarks")
 from language_id import LANGUAGES, labelled
 

@@ -81,7 +81,7 @@ def main() -> None:
         print(f"{name:22s} batch {args.batch} x {new_tokens} tokens: {rows[-1].tokens_per_second:9.0f} tok/s "
               f"({rows[-1].step_ms:.1f} ms/step)", flush=True)
 
-    from tandem_lit.module import default_engine
+    from tandem_lit.rollout.choice import default_engine
 
     fast = default_engine(senior, junior)
     assert isinstance(fast, FastEngine), f"a QLoRA senior fell back to {type(fast).__name__}"

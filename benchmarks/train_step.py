@@ -48,8 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rollout import copy_bandwidth  # noqa: E402  (benchmarks/rollout.py: the same roofline inputs)
 
 from tandem_lit.data.base import PromptDataModule  # noqa: E402
-from tandem_lit.distributed import FSDP2Strategy  # noqa: E402
-from tandem_lit.memory import GIB  # noqa: E402
+from tandem_lit.training.distributed import FSDP2Strategy  # noqa: E402
+from tandem_lit.training.memory import GIB  # noqa: E402
 from tandem_lit.verifiers.base import Grade, Verifier  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -112,7 +112,7 @@ def build_module(model_args: dict, arm: str, args, root: Path):
 
     import tandem_lit.objectives  # noqa: F401  (short class_path names, as in the CLI)
     import tandem_lit.rollout  # noqa: F401
-    from tandem_lit.module import TandemModule
+    from tandem_lit.training.module import TandemModule
 
     init = copy.deepcopy(model_args)
     init.pop("verifier")
@@ -120,13 +120,17 @@ def build_module(model_args: dict, arm: str, args, root: Path):
         for role in ("senior", "junior"):
             if init.get(role):
                 init[role] = dict(init[role], path=model_folder(init[role]["path"], args.tokenizer, root), random_init=True)
-    init["sampling"] = dict(init.get("sampling") or {}, ignore_eos=True)
+    rollout = init["rollout"] = dict(init.get("rollout") or {})
+    update = init["update"] = dict(init.get("update") or {})
+    rollout["sampling"] = dict(rollout.get("sampling") or {}, ignore_eos=True)
     for key, value in (("n", args.n), ("max_new_tokens", args.max_new_tokens)):
         if value is not None:
-            init["sampling"][key] = value
-    for key in ("rollout_batch_size", "micro_batch_size", "mini_batch_size"):
+            rollout["sampling"][key] = value
+    if args.rollout_batch_size is not None:
+        rollout["batch_size"] = args.rollout_batch_size
+    for key in ("micro_batch_size", "mini_batch_size"):
         if getattr(args, key) is not None:
-            init[key] = getattr(args, key)
+            update[key] = getattr(args, key)
     if args.lora:
         init["lora"] = {"r": args.lora, "alpha": 2 * args.lora, "dropout": 0.0, "load_in_4bit": args.qlora}
         if args.qlora:  # QLoRA: a 4-bit NF4 base (bf16 compute), the Tandem Training setting
@@ -140,12 +144,13 @@ def build_module(model_args: dict, arm: str, args, root: Path):
     if args.rollout_dtype:
         init["engine"] = {"class_path": "FastEngine" if not args.hf_engine else "HFEngine",
                           "init_args": {"rollout_dtype": args.rollout_dtype}}
-    init.update(evaluate_at_start=False, eval_modes=["senior"], completions_every_n_steps=0)
+    evaluation = init["evaluation"] = dict(init.get("evaluation") or {}, at_start=False, modes=["senior"])
+    init["logging"] = dict(init.get("logging") or {}, completions_every_n_steps=0)
     if arm == "grpo":
         init["handoff"] = {"class_path": "SoloHandoff", "init_args": {"author": "senior"}}
         init.pop("junior", None)
-        init.pop("test_handoff", None)
-        init.pop("eval_handoff", None)
+        evaluation.pop("test_handoff", None)
+        evaluation.pop("handoff", None)
     parser = ArgumentParser(exit_on_error=False)
     parser.add_class_arguments(TandemModule, "model", skip={"verifier"}, instantiate=False)
     instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes  # renamed in jsonargparse 4.49
@@ -223,10 +228,10 @@ def say(line: str) -> None:
 
 def decode_bytes(module, prompt_width: float) -> float:
     """Bytes one decode step reads at the mean length: decoded weights of both models + KV caches."""
-    from tandem_lit.memory import ModelShape
+    from tandem_lit.training.memory import ModelShape
 
     engine = module.engine
-    sequences = min(module.rollout_batch_size or 10**9, module.trainer.datamodule.batch_size * module.sampling.n)
+    sequences = min(module.rollout_settings.batch_size or 10**9, module.trainer.datamodule.batch_size * module.sampling.n)
     mean_length = prompt_width + module.sampling.max_new_tokens / 2
     total = 0.0
     models = [engine.senior] + ([engine.junior] if engine.junior is not None and module.handoff.only_author is None else [])
@@ -302,7 +307,7 @@ def main() -> None:
     parser.add_argument("--rollout-dtype", default=None, help="the engine's rollout_dtype (default: the config's engine)")
     parser.add_argument("--hf-engine", action="store_true", help="with --rollout-dtype: HFEngine instead of FastEngine")
     parser.add_argument("--devices", type=int, default=1, help="processes (GPUs); > 1 needs --strategy fsdp")
-    parser.add_argument("--strategy", default=None, choices=["fsdp"], help="fsdp: tandem_lit.distributed.FSDP2Strategy")
+    parser.add_argument("--strategy", default=None, choices=["fsdp"], help="fsdp: tandem_lit.training.distributed.FSDP2Strategy")
     parser.add_argument("--estimate-only", action="store_true")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
@@ -328,7 +333,7 @@ def main() -> None:
         bandwidth = copy_bandwidth(args.device) if args.device == "cuda" else float("nan")
         name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
         say(f"# {args.config} on {name} x {args.devices} ({args.strategy or 'one process'}); copy bandwidth {bandwidth / 1e12:.2f} TB/s; {args.prompts} prompts x "
-              f"n={args.n or model_args['sampling']['n']} x {args.max_new_tokens or model_args['sampling']['max_new_tokens']} "
+              f"n={args.n or model_args['rollout']['sampling']['n']} x {args.max_new_tokens or model_args['rollout']['sampling']['max_new_tokens']} "
               f"tokens; lora={args.lora}")
         results = {arm: run_arm(arm, model_args, trainer_args, args, root, bandwidth) for arm in args.arms}
     if not rank_zero():

@@ -28,10 +28,14 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 import tandem_lit.data  # noqa: F401  (short class_path names)
 import tandem_lit.data.sft_data  # noqa: F401
+import tandem_lit.demo  # noqa: F401  (registers demo:// model paths)
 import tandem_lit.objectives  # noqa: F401
 import tandem_lit.rollout  # noqa: F401
 import tandem_lit.verifiers  # noqa: F401
-from tandem_lit.callbacks import (
+from tandem_lit.data.base import PromptDataModule
+from tandem_lit.errors import ConfigError, TandemLitError
+from tandem_lit.runs import RUN_RECORD, read_run_record
+from tandem_lit.training.callbacks import (
     AtomicCheckpointIO,
     GracefulStop,
     ResumeCheckpoint,
@@ -40,12 +44,9 @@ from tandem_lit.callbacks import (
     TandemProgressBar,
     check_checkpoint,
 )
-from tandem_lit.data.base import PromptDataModule
-from tandem_lit.distributed import FSDP2Strategy
-from tandem_lit.errors import ConfigError, TandemLitError
-from tandem_lit.module import TandemModule  # noqa: F401  (short class_path names)
-from tandem_lit.runs import RUN_RECORD, read_run_record
-from tandem_lit.sft import SFTModel  # noqa: F401
+from tandem_lit.training.distributed import FSDP2Strategy
+from tandem_lit.training.module import TandemModule  # noqa: F401  (short class_path names)
+from tandem_lit.training.sft import SFTModel  # noqa: F401
 
 RUN_FOLDER_ENV = "TANDEM_LIT_RUN_FOLDER"
 
@@ -126,7 +127,7 @@ class TandemCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs):
         # (no callbacks= here: that would replace the user's --trainer.callbacks)
         trainer_config = self._get(self.config_init, "trainer")
-        if trainer_config.get("strategy") == "fsdp":  # FSDP2 (tandem_lit.distributed says why), not Lightning's FSDP1
+        if trainer_config.get("strategy") == "fsdp":  # FSDP2 (tandem_lit.training.distributed says why), not Lightning's FSDP1
             trainer_config["strategy"] = FSDP2Strategy()
         callbacks = trainer_config.get("callbacks") or []
         callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
@@ -151,7 +152,7 @@ def build_cli(args: list[str] | None = None, run: bool = True) -> TandemCLI:
     config without a subcommand and build the objects only."""
     configure_logs()
     return TandemCLI(
-        L.LightningModule,  # TandemModule (tandem RL) or SFTModel (supervised, tandem_lit.sft)
+        L.LightningModule,  # TandemModule (tandem RL) or SFTModel (supervised, tandem_lit.training.sft)
         PromptDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,
@@ -248,8 +249,6 @@ def main(args: list[str] | None = None) -> None:
     args = sys.argv[1:] if args is None else args
     try:
         if args[:1] == ["export"]:  # not a Trainer method, so not a LightningCLI subcommand
-            from tandem_lit.export import main as export_main
-
             export_main(args[1:])
         else:
             build_cli(args)
@@ -262,6 +261,26 @@ def main(args: list[str] | None = None) -> None:
         message = str(cause) if cause is not None else config_error_line(err)
         print(f"tandem-lit: error: {message}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def export_main(args: list[str]) -> None:
+    """``tandem-lit export RUN_FOLDER [--ckpt_path ...] [--out ...] [--dtype ...]`` (``training/export.py``)."""
+    from tandem_lit.rollout.weights import ROLLOUT_DTYPES
+    from tandem_lit.training.export import __doc__ as export_doc
+    from tandem_lit.training.export import export_run
+
+    parser = argparse.ArgumentParser(prog="tandem-lit export", description=export_doc.split("\n\n")[0])
+    parser.add_argument("run_folder", help="the run's folder (holds config.yaml and checkpoints/)")
+    parser.add_argument("--ckpt_path", default=None, help="default: <run_folder>/checkpoints/last.ckpt")
+    parser.add_argument("--out", default=None, help="default: <run_folder>/export")
+    parser.add_argument("--dtype", default=None, choices=sorted(ROLLOUT_DTYPES), help="default: as trained")
+    options = parser.parse_args(args)
+
+    def build_module(config: Path):
+        return build_cli(["--config", str(config), "--trainer.logger", "false"], run=False).model
+
+    out = export_run(build_module, options.run_folder, options.ckpt_path, options.out, options.dtype)
+    print(f"tandem-lit: exported the senior to {out}")
 
 
 def config_error_line(err: argparse.ArgumentError) -> str:

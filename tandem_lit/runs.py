@@ -42,3 +42,9 @@ def mlflow_loggers(trainer: L.Trainer) -> list:
     from lightning.pytorch.loggers import MLFlowLogger
 
     return [lg for lg in trainer.loggers if isinstance(lg, MLFlowLogger)]
+
+
+def log_artifact(trainer: L.Trainer, path: Path, folder: str | None = None) -> None:
+    """Attach a file to the run's MLflow record (every MLflow logger of the trainer)."""
+    for logger in mlflow_loggers(trainer):
+        logger.experiment.log_artifact(logger.run_id, str(path), folder)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem_lit.tiny import char_tokenizer, tiny_llama_config
+from tandem_lit.models.tiny import char_tokenizer, tiny_llama_config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,8 +41,8 @@ def tiny_tandem_module(**settings):
     senior-only evaluation, no start evaluation, no completions log); ``settings`` add to or
     replace these defaults (verifier, objective, sampling and optimizer at least)."""
     from tandem_lit.models import ModelSource
-    from tandem_lit.module import TandemModule
     from tandem_lit.rollout import WordHandoff
+    from tandem_lit.training.module import TandemModule
 
     defaults = dict(
         senior=ModelSource("configs/tiny/senior", random_init=True, init_seed=1, dtype="float32"),
@@ -52,7 +52,36 @@ def tiny_tandem_module(**settings):
         evaluate_at_start=False,
         completions_every_n_steps=0,
     )
-    return TandemModule(**{**defaults, **settings})
+    return TandemModule(**grouped_settings(**{**defaults, **settings}))
+
+
+# TandemModule's settings groups and the flat names tests use for their fields
+SETTINGS_GROUPS = {
+    "rollout": {"sampling": "sampling", "rollout_batch_size": "batch_size", "max_prompt_tokens": "max_prompt_tokens",
+                "dynamic_sampling": "dynamic_sampling", "prompt_format": "prompt_format",
+                "junior_prompt_format": "junior_prompt_format", "authorship_z": "authorship_z"},
+    "update": {name: name for name in ("mini_batch_size", "micro_batch_size", "max_grad_norm", "overlong", "max_idle_steps",
+                                       "allow_low_precision_weights")},
+    "evaluation": {"eval_sampling": "sampling", "eval_modes": "modes", "eval_handoff": "handoff", "evaluate_at_start": "at_start",
+                   "test_handoff": "test_handoff", "test_sampling": "test_sampling", "test_forced_token": "test_forced_token",
+                   "pass_k": "pass_k"},
+    "logging": {name: name for name in ("jargon_pattern", "language", "completions_every_n_steps", "completions_per_log")},
+}
+
+
+def grouped_settings(**flat):
+    """TandemModule keyword arguments from flat setting names (``sampling=...``, ``eval_modes=...``):
+    each flat name goes into its settings group (``rollout=RolloutSettings(sampling=...)``)."""
+    from tandem_lit.training import settings as groups
+
+    classes = {"rollout": groups.RolloutSettings, "update": groups.UpdateSettings,
+               "evaluation": groups.EvaluationSettings, "logging": groups.LoggingSettings}
+    out = {name: value for name, value in flat.items() if not any(name in fields for fields in SETTINGS_GROUPS.values())}
+    for group, fields in SETTINGS_GROUPS.items():
+        values = {field: flat[name] for name, field in fields.items() if name in flat and flat[name] is not None}
+        if values:
+            out[group] = classes[group](**values)
+    return out
 
 
 @pytest.fixture(scope="session")
@@ -103,3 +132,16 @@ def machine_can_sandbox():
         if err.protection != "namespaces":
             raise
         pytest.skip(str(err))
+
+
+def flat_settings(init_args: dict) -> dict:
+    """A resolved TandemModule ``init_args`` with its settings groups flattened back to the flat
+    names ``grouped_settings`` takes (``rollout.sampling`` -> ``sampling``, ``evaluation.sampling``
+    -> ``eval_sampling``), so config tests read the paper's numbers by their familiar names."""
+    flat = {name: value for name, value in init_args.items() if name not in SETTINGS_GROUPS}
+    for group, fields in SETTINGS_GROUPS.items():
+        values = init_args.get(group) or {}
+        for name, field in fields.items():
+            if field in values:
+                flat[name] = values[field]
+    return flat

@@ -10,7 +10,7 @@ import torch
 import yaml
 
 from tandem_lit.cli import main
-from tandem_lit.tiny import char_tokenizer, tiny_llama_config, write_model_dir
+from tandem_lit.models.tiny import char_tokenizer, tiny_llama_config, write_model_dir
 
 TRAIN_METRICS = [
     "train/reward_mean", "train/reward_std", "train/accuracy", "train/zero_variance_groups",
@@ -23,9 +23,9 @@ EVAL_METRICS = [
 ] + ["eval/tandem_junior_token_share"]
 
 QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
-NO_EVAL = ["--trainer.limit_val_batches", "0", "--model.init_args.evaluate_at_start", "false"]
-SMALL = ["--data.init_args.batch_size", "2", "--model.init_args.sampling.n", "2",
-         "--model.init_args.sampling.max_new_tokens", "16"]
+NO_EVAL = ["--trainer.limit_val_batches", "0", "--model.init_args.evaluation.at_start", "false"]
+SMALL = ["--data.init_args.batch_size", "2", "--model.init_args.rollout.sampling.n", "2",
+         "--model.init_args.rollout.sampling.max_new_tokens", "16"]
 
 
 pytestmark = [pytest.mark.filterwarnings("ignore:No seed found"), pytest.mark.usefixtures("in_repo")]
@@ -142,7 +142,7 @@ def test_print_config(capsys):
     model = printed["model"]["init_args"]
     assert model["handoff"]["class_path"] == "tandem_lit.rollout.WordHandoff"
     assert model["objective"]["class_path"] == "tandem_lit.objectives.GRPO"
-    assert model["sampling"]["max_new_tokens"] == 24
+    assert model["rollout"]["sampling"]["max_new_tokens"] == 24
     assert printed["data"]["class_path"] == "tandem_lit.data.GSM8KDataModule"
     assert printed["trainer"]["max_steps"] == 4
 
@@ -186,7 +186,7 @@ BAD_INPUT = {
                         "train.jsonl, line 3: not valid JSON"),
     "empty_dataset": (lambda tmp: ["--data.init_args.source", bad_data(tmp, [])], "holds no records"),
     "val_size_too_large": (lambda tmp: ["--data.init_args.val_size", "1000"], "leaves no training rows"),
-    "grpo_with_one_rollout": (lambda tmp: ["--model.init_args.sampling.n", "1"], "Set sampling.n >= 2"),
+    "grpo_with_one_rollout": (lambda tmp: ["--model.init_args.rollout.sampling.n", "1"], "Set rollout.sampling.n >= 2"),
     "unwritable_run_folder": (lambda tmp: ["--trainer.default_root_dir", str(make_file(tmp / "file") / "run")],
                               "cannot create the run folder"),
     "missing_ckpt_path": (lambda tmp: ["--ckpt_path", str(tmp / "nope.ckpt")], "does not exist"),

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from tandem_lit.cli import main
+from tests.conftest import flat_settings
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
@@ -56,8 +57,8 @@ def test_the_issue_configs_are_shipped():
 @pytest.mark.parametrize("config", SHIPPED)
 def test_every_shipped_config_parses(config, capsys):
     resolved = printed(config, capsys)
-    supervised = Path(config).name.startswith("sft_")  # SFT configs: SFTModel over SFT rows (tandem_lit.sft)
-    assert resolved["model"]["class_path"] == ("tandem_lit.sft.SFTModel" if supervised else "tandem_lit.module.TandemModule")
+    supervised = Path(config).name.startswith("sft_")  # SFT configs: SFTModel over SFT rows (tandem_lit.training.sft)
+    assert resolved["model"]["class_path"] == ("tandem_lit.training.SFTModel" if supervised else "tandem_lit.training.TandemModule")
     assert resolved["data"]["class_path"].startswith("tandem_lit.data.sft_data." if supervised else "tandem_lit.data.")
 
 
@@ -75,7 +76,7 @@ def test_rlvr_configs_hold_the_paper_numbers(config, capsys):
     PPO mini-batch 8, 1024/3000 tokens, temperature 0.6, no KL, junior weight 0, word handoff p=0.5,
     200 steps, checkpoint by held-out pass@4; evaluation sampling 0.7 / 0.8 / 20."""
     resolved = printed(config, capsys)
-    model, data, trainer = resolved["model"]["init_args"], resolved["data"]["init_args"], resolved["trainer"]
+    model, data, trainer = flat_settings(resolved["model"]["init_args"]), resolved["data"]["init_args"], resolved["trainer"]
     objective = model["objective"]
     assert objective["class_path"] == "tandem_lit.objectives.GRPO"
     expected = {"clip_low": 0.2, "clip_high": 0.2, "kl_coef": 0.0, "junior_weight": 0.0, "aggregation": "token-mean",
@@ -124,7 +125,7 @@ def test_rlvr_configs_hold_the_paper_numbers(config, capsys):
 
 def test_eval_config_holds_the_evaluation_protocol(capsys):
     resolved = printed(EVAL, capsys)
-    model, data = resolved["model"]["init_args"], resolved["data"]["init_args"]
+    model, data = flat_settings(resolved["model"]["init_args"]), resolved["data"]["init_args"]
     assert {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "max_new_tokens": 3000, "n": 8}.items() <= model["test_sampling"].items()
     assert model["test_handoff"]["class_path"] == "tandem_lit.rollout.ParagraphHandoff"
     assert {"p": 0.5, "first_author": "senior", "max_spans": 150}.items() <= model["test_handoff"]["init_args"].items()
@@ -182,11 +183,11 @@ TINY_FIT = [
     "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false",
     "--trainer.enable_model_summary", "false",
     # one rollout step of 4 prompts, two optimiser updates of 2 prompts each (PPO mini-batches)
-    "--trainer.max_steps", "2", "--data.init_args.batch_size", "4", "--model.init_args.mini_batch_size", "2",
+    "--trainer.max_steps", "2", "--data.init_args.batch_size", "4", "--model.init_args.update.mini_batch_size", "2",
     "--trainer.val_check_interval", "1", "--trainer.limit_val_batches", "1",
-    "--model.init_args.prompt_format.chat_template", "false",  # the tiny character tokenizer has none
-    "--model.init_args.sampling.n", "2", "--model.init_args.sampling.max_new_tokens", "8",
-    "--model.init_args.eval_sampling.max_new_tokens", "8", "--model.init_args.evaluate_at_start", "false",
+    "--model.init_args.rollout.prompt_format.chat_template", "false",  # the tiny character tokenizer has none
+    "--model.init_args.rollout.sampling.n", "2", "--model.init_args.rollout.sampling.max_new_tokens", "8",
+    "--model.init_args.evaluation.sampling.max_new_tokens", "8", "--model.init_args.evaluation.at_start", "false",
     "--model.init_args.verifier.init_args.workers", "1",
     "--data.init_args.val_size", "2", "--data.init_args.eval_batch_size", "2",
 ]
@@ -253,7 +254,7 @@ def tiny_qwen35_dir(folder: Path) -> Path:
     attention layers), with the character tokenizer."""
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
-    from tandem_lit.tiny import char_tokenizer, write_model_dir
+    from tandem_lit.models.tiny import char_tokenizer, write_model_dir
 
     tokenizer = char_tokenizer()
     config = Qwen3_5TextConfig(
@@ -295,8 +296,8 @@ def test_eval_config_tests_the_selected_checkpoint_with_tiny_models(tandem_run, 
         "test", "--config", EVAL, "--ckpt_path", str(best), "--trainer.default_root_dir", str(root),
         "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false",
         "--model.init_args.senior", tiny_model("senior", 1), "--model.init_args.junior", tiny_model("junior", 2),
-        "--model.init_args.prompt_format.chat_template", "false",
-        "--model.init_args.test_sampling.n", "2", "--model.init_args.test_sampling.max_new_tokens", "12",
+        "--model.init_args.rollout.prompt_format.chat_template", "false",
+        "--model.init_args.evaluation.test_sampling.n", "2", "--model.init_args.evaluation.test_sampling.max_new_tokens", "12",
         "--model.init_args.verifier.init_args.workers", "1",
         "--data.init_args.root", str(eval_data_root(tmp_path)), "--data.init_args.limit", "2",
         "--data.init_args.batch_size", "2",
@@ -340,7 +341,7 @@ def test_paper_a_configs_hold_the_paper_numbers(config, capsys):
     """REFERENCES.md, Tandem Training: QLoRA 4-bit rank 16 all linear layers, word handoff p = 0.5,
     REINFORCE on correct rollouts (junior tokens unmasked), 2 rollouts, temperature 0.7 / greedy
     test; the appendix's (c, j) = (-0.5, 0.2) skill gap and (-0.3, 0.35) French."""
-    model = printed(config, capsys)["model"]["init_args"]
+    model = flat_settings(printed(config, capsys)["model"]["init_args"])
     assert {"r": 16, "target_modules": "all-linear", "load_in_4bit": True}.items() <= model["lora"].items()
     assert {"n": 2, "temperature": 0.7}.items() <= model["sampling"].items()
     assert model["eval_sampling"]["temperature"] == 0.0 and model["test_sampling"]["temperature"] == 0.0
@@ -367,7 +368,7 @@ def test_paper_a_configs_run_a_step_with_tiny_models(config, tmp_path, run_folde
         "--trainer.max_steps", "1", "--trainer.val_check_interval", "1", "--trainer.limit_val_batches", "1",
         "--model.init_args.senior", tiny_model("senior", 1), "--model.init_args.junior", tiny_model("junior", 2),
         "--model.init_args.lora", "{r: 4, alpha: 8, dropout: 0.0, load_in_4bit: false}",  # no 4-bit on a CPU
-        "--model.init_args.sampling.max_new_tokens", "12", "--model.init_args.eval_sampling.max_new_tokens", "12",
+        "--model.init_args.rollout.sampling.max_new_tokens", "12", "--model.init_args.evaluation.sampling.max_new_tokens", "12",
         "--data.init_args.source", "data/gsm8k-sample", "--data.init_args.val_size", "2",
         "--data.init_args.batch_size", "2", "--data.init_args.eval_batch_size", "2",
     ])
@@ -387,7 +388,7 @@ HARP_CONFIGS = ["configs/ext/harp_elegance_tandem.yaml", "configs/ext/harp_elega
 @pytest.mark.parametrize("config", APPS_CONFIGS + HARP_CONFIGS)
 def test_extension_configs_hold_the_rlvr_numbers_and_their_own(config, capsys):
     resolved = printed(config, capsys)
-    model, data = resolved["model"]["init_args"], resolved["data"]
+    model, data = flat_settings(resolved["model"]["init_args"]), resolved["data"]
     header = (REPO_ROOT / config).read_text().split("\ntrainer:")[0]
     assert "000_d6edda8204a39671" in header and "REFERENCES.md" in header
     # "otherwise identical hyperparameters" (REFERENCES.md, the replication/extension)
@@ -415,10 +416,10 @@ def test_extension_configs_hold_the_rlvr_numbers_and_their_own(config, capsys):
 TINY_EXT = [
     "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
     "--trainer.precision", "32-true", "--trainer.max_steps", "2", "--trainer.val_check_interval", "1",
-    "--trainer.limit_val_batches", "1", "--data.init_args.batch_size", "4", "--model.init_args.mini_batch_size", "2",
-    "--model.init_args.prompt_format.chat_template", "false", "--model.init_args.sampling.n", "2",
-    "--model.init_args.sampling.max_new_tokens", "8", "--model.init_args.eval_sampling.max_new_tokens", "8",
-    "--model.init_args.evaluate_at_start", "false", "--data.init_args.val_size", "2", "--data.init_args.eval_batch_size", "2",
+    "--trainer.limit_val_batches", "1", "--data.init_args.batch_size", "4", "--model.init_args.update.mini_batch_size", "2",
+    "--model.init_args.rollout.prompt_format.chat_template", "false", "--model.init_args.rollout.sampling.n", "2",
+    "--model.init_args.rollout.sampling.max_new_tokens", "8", "--model.init_args.evaluation.sampling.max_new_tokens", "8",
+    "--model.init_args.evaluation.at_start", "false", "--data.init_args.val_size", "2", "--data.init_args.eval_batch_size", "2",
 ]
 
 

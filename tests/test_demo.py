@@ -8,8 +8,7 @@ import re
 
 import pytest
 
-from tandem_lit.demo import build as demo_build
-from tandem_lit.demo.world import (
+from tandem_lit.data.world import (
     LANGUAGES,
     NAMES,
     STYLES,
@@ -23,7 +22,8 @@ from tandem_lit.demo.world import (
     styled_continuation,
     words,
 )
-from tandem_lit.metrics import JargonDetector
+from tandem_lit.demo import build as demo_build
+from tandem_lit.evaluation.metrics import JargonDetector
 from tandem_lit.verifiers.numeric import GSM8KVerifier
 
 JARGON = re.compile(r"<<([^<>\n]*)>>")
@@ -269,7 +269,7 @@ def test_language_configs_parse(config, capsys):
     assert info.value.code == 0
     model = yaml.safe_load(capsys.readouterr().out)["model"]["init_args"]
     assert (model["senior"]["path"], model["junior"]["path"]) == ("demo://language/senior", "demo://language/junior")
-    assert model["language"]["class_path"] == "tandem_lit.language.WordListLanguageShare"
+    assert model["language"]["class_path"] == "tandem_lit.evaluation.language.WordListLanguageShare"
     assert model["language"]["init_args"]["words"] == {code: list(listed) for code, listed in VOCABULARY.items()}
     handoff = model["handoff"]["class_path"].rsplit(".", 1)[-1]
     assert handoff == ("SoloHandoff" if "control" in config else "WordHandoff")
@@ -290,7 +290,7 @@ def test_language_demo_runs_a_step_with_a_tiny_build(monkeypatch, tmp_path):
             "fit", "--config", config, "--trainer.max_steps", "1", "--trainer.val_check_interval", "1",
             "--trainer.default_root_dir", str(root), "--data.init_args.train_size", "8", "--data.init_args.batch_size", "2",
             "--data.init_args.val_size", "4", "--data.init_args.eval_batch_size", "4",
-            "--model.init_args.sampling.max_new_tokens", "12", "--model.init_args.eval_sampling.max_new_tokens", "12",
+            "--model.init_args.rollout.sampling.max_new_tokens", "12", "--model.init_args.evaluation.sampling.max_new_tokens", "12",
         ])
         summary = json.loads((root / "summary.json").read_text())
         assert summary["updates"] == 1

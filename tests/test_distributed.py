@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
 
-from tandem_lit.distributed import balance, rank_rows, reduce_metrics
+from tandem_lit.training.distributed import balance, rank_rows, reduce_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 TANDEM_LIT = Path(sys.executable).with_name("tandem-lit")
@@ -174,10 +174,10 @@ def _gathered_copy_worker(rank: int, world: int, port: int, results) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from transformers import AutoTokenizer
 
-        from tandem_lit.distributed import shard_model
         from tandem_lit.models import ModelSource, load_causal_lm
         from tandem_lit.rollout import FastEngine
         from tandem_lit.rollout.weights import gathered, rollout_named_tensors
+        from tandem_lit.training.distributed import shard_model
 
         source = ModelSource(str(REPO / "configs/tiny/senior"), random_init=True, init_seed=1, dtype="float32")
         model = shard_model(load_causal_lm(source), init_device_mesh("cpu", (world,)), bf16_compute=False)
@@ -250,8 +250,8 @@ def _checkpointed_worker(rank: int, world: int, port: int, results) -> None:
     try:
         from torch.distributed.device_mesh import init_device_mesh
 
-        from tandem_lit.distributed import shard_model
         from tandem_lit.models import ModelSource, load_causal_lm
+        from tandem_lit.training.distributed import shard_model
 
         source = ModelSource(str(REPO / "configs/tiny/senior"), random_init=True, init_seed=1, dtype="float32")
         reference, model = load_causal_lm(source), load_causal_lm(source)

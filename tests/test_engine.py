@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 
+from tandem_lit.models.tiny import char_tokenizer
 from tandem_lit.rollout import (
     Author,
     HFEngine,
@@ -21,7 +22,6 @@ from tandem_lit.rollout import (
     WordHandoff,
 )
 from tandem_lit.rollout.sampling import sequence_seeds
-from tandem_lit.tiny import char_tokenizer
 
 PROMPTS = ["ab cd. e", "a", "bad cab.\n\ndeed a", "cc", "e. a b c d e. ", "dd\nab"]
 GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=24)
@@ -185,7 +185,7 @@ def test_tandem_without_junior_is_a_config_error(small_model, small_tok):
 def test_an_architecture_the_fast_engine_lacks_falls_back_to_hf_engine_loudly(caplog):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from tandem_lit.module import default_engine
+    from tandem_lit.rollout.choice import default_engine
 
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=64))
     with caplog.at_level("WARNING", logger="tandem_lit"):

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from tandem_lit.cli import main
-from tandem_lit.evaluation import DatasetTally, flat_metrics, markdown_table, summarize, write_report
-from tandem_lit.metrics import PassAtK, pass_at_k
+from tandem_lit.evaluation.metrics import PassAtK, pass_at_k
+from tandem_lit.evaluation.report import DatasetTally, flat_metrics, markdown_table, summarize, write_report
 
 pytestmark = [
     pytest.mark.usefixtures("in_repo"),
@@ -204,9 +204,9 @@ def tiny_test_args(root, data_root, *extra):
         "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
         "--model.init_args.senior", "{path: configs/tiny/senior, random_init: true, init_seed: 1, dtype: float32}",
         "--model.init_args.junior", "{path: configs/tiny/junior, random_init: true, init_seed: 2, dtype: float32}",
-        "--model.init_args.prompt_format.chat_template", "false",  # the tiny tokenizer has no template
-        "--model.init_args.test_sampling.temperature", "1.0",
-        "--model.init_args.test_sampling.n", "2", "--model.init_args.test_sampling.max_new_tokens", "24",
+        "--model.init_args.rollout.prompt_format.chat_template", "false",  # the tiny tokenizer has no template
+        "--model.init_args.evaluation.test_sampling.temperature", "1.0",
+        "--model.init_args.evaluation.test_sampling.n", "2", "--model.init_args.evaluation.test_sampling.max_new_tokens", "24",
         "--model.init_args.verifier.init_args.workers", "1",
         "--data.init_args.datasets", "[aime24, amc23]", "--data.init_args.root", str(data_root),
         "--data.init_args.batch_size", "2",
@@ -222,7 +222,7 @@ def test_handoff_evaluation_is_reproducible_for_a_fixed_seed(tmp_path):
     data_root = math_eval_root(tmp_path)
     runs = {}
     for name, seed in (("first", "0"), ("again", "0"), ("other_seed", "1")):
-        main(args=tiny_test_args(tmp_path / name, data_root, "--model.init_args.test_sampling.seed", seed))
+        main(args=tiny_test_args(tmp_path / name, data_root, "--model.init_args.evaluation.test_sampling.seed", seed))
         runs[name] = strict_json(tmp_path / name / "eval" / "results.json")
     first = numbers(runs["first"])
     assert set(first["datasets"]) == {"aime24", "amc23"}

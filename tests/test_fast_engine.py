@@ -13,12 +13,12 @@ import torch
 from transformers import LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from tandem_lit.errors import ConfigError
+from tandem_lit.models.tiny import char_tokenizer, tiny_llama_config
 from tandem_lit.rollout.engine import HFEngine
 from tandem_lit.rollout.handoff import LineHandoff, ParagraphHandoff, SoloHandoff, TokenHandoff, WordHandoff
 from tandem_lit.rollout.record import Author, PromptBatch
 from tandem_lit.rollout.sampling import SamplingConfig, sequence_seeds
 from tandem_lit.rollout.static import FastEngine
-from tandem_lit.tiny import char_tokenizer, tiny_llama_config
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 PROMPTS = ["Q: 2+3?\nA:", "Hi", "The quick brown fox jumps over", "1. a\n\n2."]

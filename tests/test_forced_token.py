@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from tandem_lit.cli import main
-from tandem_lit.forced_token import continue_after, forced_token_outcomes
-from tandem_lit.logprobs import completion_top_tokens
+from tandem_lit.evaluation.forced_token import continue_after, forced_token_outcomes
 from tandem_lit.objectives import Reinforce
 from tandem_lit.rollout import SamplingConfig, SoloHandoff
-from tandem_lit.settings import PromptFormat
+from tandem_lit.rollout.logprobs import completion_top_tokens
+from tandem_lit.training.settings import PromptFormat
 from tandem_lit.verifiers import ArithmeticVerifier
 from tests.conftest import tiny_tandem_module
 
@@ -24,7 +24,7 @@ BUDGET = 20
 
 def module_with(junior, small_tok, senior):
     """A module over the wide-init tiny models of conftest (varied greedy text over a small alphabet)."""
-    from tandem_lit.module import default_engine
+    from tandem_lit.rollout.choice import default_engine
 
     module = tiny_tandem_module(
         verifier=ArithmeticVerifier(), objective=Reinforce(),
@@ -39,7 +39,7 @@ def module_with(junior, small_tok, senior):
 
 def test_the_forced_token_is_the_juniors_top_token_and_the_senior_continues_greedily(small_model, other_small_model, small_tok):
     module = module_with(other_small_model, small_tok, small_model)
-    solo = module.rollout(ROWS, SoloHandoff("senior"), module.test_sampling, key=0)
+    solo = module.rollouts.generate(ROWS, SoloHandoff("senior"), module.evaluation.test_sampling, key=0)
     # greedy solo text is the senior's own top token at every position (teacher-forced)
     senior_top = completion_top_tokens(module.senior, solo.rollout)
     mask = solo.rollout.completion_mask
@@ -67,7 +67,7 @@ def test_the_forced_token_is_the_juniors_top_token_and_the_senior_continues_gree
 
 def test_a_junior_identical_to_the_senior_leaves_nothing_to_force(small_model, small_tok):
     module = module_with(small_model, small_tok, small_model)
-    solo = module.rollout(ROWS, SoloHandoff("senior"), module.test_sampling, key=0)
+    solo = module.rollouts.generate(ROWS, SoloHandoff("senior"), module.evaluation.test_sampling, key=0)
     outcomes = forced_token_outcomes(module, ROWS, solo, key=0)
     assert len(outcomes) == 4
     assert all(o.position is None and o.correct == o.solo_correct for o in outcomes)
@@ -75,7 +75,7 @@ def test_a_junior_identical_to_the_senior_leaves_nothing_to_force(small_model, s
 
 def test_outcomes_are_reproducible_and_positions_lie_inside_the_text(small_model, other_small_model, small_tok):
     module = module_with(other_small_model, small_tok, small_model)
-    solo = module.rollout(ROWS, SoloHandoff("senior"), module.test_sampling, key=0)
+    solo = module.rollouts.generate(ROWS, SoloHandoff("senior"), module.evaluation.test_sampling, key=0)
     first = forced_token_outcomes(module, ROWS, solo, key=0)
     assert first == forced_token_outcomes(module, ROWS, solo, key=0)
     lengths = solo.rollout.lengths.tolist()
@@ -87,7 +87,7 @@ def test_outcomes_are_reproducible_and_positions_lie_inside_the_text(small_model
 def test_the_cli_report_carries_the_forced_token_numbers(tmp_path):
     from tests.test_evaluation import math_eval_root, strict_json, tiny_test_args
 
-    main(args=tiny_test_args(tmp_path / "run", math_eval_root(tmp_path), "--model.init_args.test_forced_token", "true"))
+    main(args=tiny_test_args(tmp_path / "run", math_eval_root(tmp_path), "--model.init_args.evaluation.test_forced_token", "true"))
     report = strict_json(tmp_path / "run" / "eval" / "results.json")
     for name in ("aime24", "amc23"):
         row = report["datasets"][name]

@@ -15,12 +15,13 @@ import torch
 
 from tandem_lit.data.base import PromptDataModule
 from tandem_lit.models import LoraSettings, ModelSource
-from tandem_lit.module import TandemModule
 from tandem_lit.objectives import GRPO
 from tandem_lit.rollout import SamplingConfig, WordHandoff
 from tandem_lit.rollout.static import FastEngine
-from tandem_lit.settings import MemorySettings
+from tandem_lit.training.module import TandemModule
+from tandem_lit.training.settings import MemorySettings
 from tandem_lit.verifiers.base import Grade, Verifier
+from tests.conftest import grouped_settings
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -53,7 +54,7 @@ class OptimizerPlacement(L.Callback):
 def test_tandem_grpo_steps_on_gpu(tmp_path, setting):
     """float32 master weights (and LoRA) train while the engine decodes its bf16 copy, refreshed
     after every update; ``offload``: AdamW state on the host during rollouts, back for the update."""
-    module = TandemModule(
+    module = TandemModule(**grouped_settings(
         senior=ModelSource("configs/tiny/senior", random_init=True, init_seed=1, dtype="float32"),
         junior=ModelSource("configs/tiny/junior", random_init=True, init_seed=2, dtype="float32"),
         verifier=HasSpaceVerifier(),
@@ -67,7 +68,7 @@ def test_tandem_grpo_steps_on_gpu(tmp_path, setting):
         evaluate_at_start=False,
         completions_every_n_steps=0,
         memory=MemorySettings(offload_optimizer=setting == "offload"),
-    )
+    ))
     module.configure_model()
     senior_before = {n: p.detach().clone() for n, p in module.senior.named_parameters() if p.requires_grad}
     junior_before = copy.deepcopy(module.junior.state_dict())
@@ -104,17 +105,17 @@ def test_tandem_grpo_steps_on_gpu(tmp_path, setting):
 def test_fsdp2_on_one_gpu_shards_the_senior_and_decodes_a_bf16_copy_of_the_gathered_weights(tmp_path):
     """The FSDP2 path on CUDA (NCCL, bf16 mixed-precision policy, the root unit's registered
     training forward, the copy filled inside ``gathered``); one process, so no sharing of rows."""
-    from tandem_lit.distributed import FSDP2Strategy
     from tandem_lit.rollout.weights import gathered, is_sharded, rollout_named_tensors
+    from tandem_lit.training.distributed import FSDP2Strategy
 
-    module = TandemModule(
+    module = TandemModule(**grouped_settings(
         senior=ModelSource("configs/tiny/senior", random_init=True, init_seed=1, dtype="float32"),
         junior=ModelSource("configs/tiny/junior", random_init=True, init_seed=2, dtype="float32"),
         verifier=HasSpaceVerifier(), objective=GRPO(), handoff=WordHandoff(0.5), engine=FastEngine(),
         sampling=SamplingConfig(temperature=1.0, n=4, max_new_tokens=32),
         optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
         eval_modes=["senior", "tandem"], evaluate_at_start=False, completions_every_n_steps=0,
-    )
+    ))
     trainer = L.Trainer(
         accelerator="gpu", devices=1, strategy=FSDP2Strategy(), max_steps=3, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,

@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tandem_lit.errors import ConfigError
+from tandem_lit.models.tiny import char_tokenizer
 from tandem_lit.rollout.decoder import TandemDecoder
 from tandem_lit.rollout.handoff import (
     LineHandoff,
@@ -30,7 +31,6 @@ from tandem_lit.rollout.handoff import (
 )
 from tandem_lit.rollout.record import Author
 from tandem_lit.rollout.sampling import SamplingConfig
-from tandem_lit.tiny import char_tokenizer
 
 SENIOR, JUNIOR, PAD = int(Author.SENIOR), int(Author.JUNIOR), int(Author.PAD)
 POLICIES = {"token": TokenHandoff, "word": WordHandoff, "sentence": SentenceHandoff, "line": LineHandoff,

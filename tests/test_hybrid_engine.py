@@ -10,14 +10,14 @@ import torch
 from transformers import Qwen3_5ForCausalLM
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
-from tandem_lit.logprobs import completion_logprobs
+from tandem_lit.models.tiny import char_tokenizer
 from tandem_lit.rollout.engine import HFEngine
 from tandem_lit.rollout.handoff import SoloHandoff, WordHandoff
+from tandem_lit.rollout.logprobs import completion_logprobs
 from tandem_lit.rollout.sampling import SamplingConfig
 from tandem_lit.rollout.static import FastEngine
 from tandem_lit.rollout.static.hybrid import HybridDecoderModel
 from tandem_lit.rollout.weights import rollout_named_tensors
-from tandem_lit.tiny import char_tokenizer
 from tests.test_fast_engine import DEVICES, assert_same_rollouts, build, prompt_batch
 
 GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=24)
@@ -114,7 +114,7 @@ def test_the_rollout_copy_follows_live_weights_after_an_update(tokenizer, models
 
 
 def test_default_engine_is_the_fast_engine_for_qwen35(models):
-    from tandem_lit.module import default_engine
+    from tandem_lit.rollout.choice import default_engine
 
     assert isinstance(default_engine(models["hybrid"], models["small_hybrid"]), FastEngine)
 

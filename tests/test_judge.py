@@ -430,7 +430,7 @@ SHORT_TEMPLATE = "Problem: {problem}\nSolution: {solution}\nIs it elegant or bas
 def tiny_judge_dir(tmp_path_factory):
     from conftest import tiny_llama
 
-    from tandem_lit.tiny import char_tokenizer, write_model_dir
+    from tandem_lit.models.tiny import char_tokenizer, write_model_dir
 
     tokenizer = char_tokenizer()
     model = tiny_llama(len(tokenizer), seed=3, init_range=0.2)

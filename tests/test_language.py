@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tandem_lit.errors import ConfigError
-from tandem_lit.language import LanguageShare, MissingDependencyError, blank_math, letters
+from tandem_lit.evaluation.language import LanguageShare, MissingDependencyError, blank_math, letters
 from tandem_lit.rollout.record import Author
 
 pytest.importorskip("py3langid")
@@ -201,7 +201,7 @@ WORDS = {"en": ["first", "then", "are", "left", "pens"], "fr": ["d'abord", "ensu
 
 
 def test_word_lists_count_listed_words_only():
-    from tandem_lit.language import WordListLanguageShare
+    from tandem_lit.evaluation.language import WordListLanguageShare
 
     metric = WordListLanguageShare("fr", WORDS)
     assert metric.share(" D'abord 7+5=12 stylos. Ensuite il en reste 12-3=9.\n#### 9") == 1.0
@@ -214,7 +214,7 @@ def test_word_lists_count_listed_words_only():
 
 
 def test_word_lists_by_author():
-    from tandem_lit.language import WordListLanguageShare
+    from tandem_lit.evaluation.language import WordListLanguageShare
 
     metric = WordListLanguageShare("fr", WORDS)
     rollout = [(Author.SENIOR, " First"), (Author.JUNIOR, " 7+5=12"), (Author.SENIOR, " stylos."),
@@ -235,7 +235,7 @@ def test_word_lists_by_author():
     ],
 )
 def test_word_list_config_errors(words):
-    from tandem_lit.language import WordListLanguageShare
+    from tandem_lit.evaluation.language import WordListLanguageShare
 
     with pytest.raises(ConfigError):
         WordListLanguageShare("fr", words)
@@ -246,7 +246,7 @@ def test_word_list_config_errors(words):
                           st.lists(st.sampled_from([*"abc .\n7+=", "il", "First", "D'abord"]), max_size=20).map("".join)),
                 max_size=8))
 def test_word_list_shares_are_fractions(spans):
-    from tandem_lit.language import WordListLanguageShare
+    from tandem_lit.evaluation.language import WordListLanguageShare
 
     shares = WordListLanguageShare("fr", WORDS).share_by_author(spans)
     assert set(shares) <= {"senior", "junior"}

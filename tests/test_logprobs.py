@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem_lit import logprobs
+from tandem_lit.rollout import logprobs
 from tandem_lit.rollout.record import Author, Rollout
 
 

@@ -8,8 +8,8 @@ import sys
 
 NOISE = ["💡", "LeafSpec", "No seed found", "Creating initial MLflow", "Updating database tables", "v_num",
          "Epoch 0", "not found. Creating it", "Total FLOPs", "Traceback"]
-SMALL = ["--data.init_args.batch_size", "2", "--model.init_args.sampling.n", "2",
-         "--model.init_args.sampling.max_new_tokens", "12", "--data.init_args.test_limit", "4"]
+SMALL = ["--data.init_args.batch_size", "2", "--model.init_args.rollout.sampling.n", "2",
+         "--model.init_args.rollout.sampling.max_new_tokens", "12", "--data.init_args.test_limit", "4"]
 
 
 def tandem_lit(repo_root, *args: str) -> subprocess.CompletedProcess:

@@ -11,10 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tandem_lit.data import GSM8KDataModule
-from tandem_lit.memory import GIB, MemoryBudgetError, ModelShape, StepSettings, estimate_step_memory
 from tandem_lit.objectives import GRPO
 from tandem_lit.rollout import Author, Rollout, SamplingConfig
-from tandem_lit.settings import MemorySettings
+from tandem_lit.training.memory import GIB, MemoryBudgetError, ModelShape, StepSettings, estimate_step_memory
+from tandem_lit.training.settings import MemorySettings
 from tandem_lit.verifiers.base import Grade, Verifier
 
 pytestmark = [
@@ -58,7 +58,7 @@ def test_hybrid_layers_count_what_their_torch_fallback_saves():
     and under checkpointing the recomputed layer is the largest."""
     from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
 
-    from tandem_lit.memory import HYBRID_LAYER_FACTORS
+    from tandem_lit.training.memory import HYBRID_LAYER_FACTORS
 
     config = Qwen3_5TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                                num_key_value_heads=2, head_dim=16, vocab_size=256)
@@ -126,7 +126,7 @@ def test_micro_batches_cover_every_row_once_within_the_bounds(prompts, completio
     module = tiny_tandem_module(verifier=SpaceVerifier(), objective=GRPO(), micro_batch_size=rows_per_pass,
                                 memory=MemorySettings(micro_batch_tokens=limit))
     rows = torch.arange(n)
-    batches = module.micro_batches(rollout, rows)
+    batches = module.updates.micro_batches(rollout, rows)
     assert sorted(torch.cat(batches).tolist()) == list(range(n))
     for batch in batches:
         idx = batch.tolist()

@@ -12,10 +12,11 @@ from tandem_lit.cli import build_cli
 from tandem_lit.data import GSM8KDataModule
 from tandem_lit.errors import ConfigError, NonFiniteGradientError
 from tandem_lit.models import LoraSettings, ModelSource
-from tandem_lit.module import TandemModule
 from tandem_lit.objectives import AuthorshipError, SoftMaskedReinforce
 from tandem_lit.rollout import Author, Rollout, SamplingConfig, SoloHandoff, WordHandoff
+from tandem_lit.training.module import TandemModule
 from tandem_lit.verifiers import GSM8KVerifier
+from tests.conftest import grouped_settings
 
 pytestmark = [
     pytest.mark.usefixtures("in_repo"),
@@ -119,11 +120,11 @@ def test_teacher_forced_logprobs_ignore_padding():
     module.configure_model()
     rows = [{"prompt": "Question: 1+1?\nAnswer:", "answer": "2"},
             {"prompt": "Q: how many legs do three spiders have?\nA:", "answer": "24"}]
-    result = module.rollout(rows, module.handoff, module.sampling, key=0)
+    result = module.rollouts.generate(rows, module.handoff, module.sampling, key=0)
     rollout = result.rollout
     assert result.group.tolist() == [0, 0, 1, 1] and result.columns["answer"] == ["2", "2", "24", "24"]
     with torch.no_grad():
-        batched = module.sequence_logprobs(module.senior, rollout)
+        batched = module.updates.sequence_logprobs(module.senior, rollout)
         for i in range(4):
             prompt = rollout.prompt_ids[i][rollout.prompt_mask[i].bool()]
             n = int(rollout.lengths[i])
@@ -150,17 +151,17 @@ def test_check_authorship_fails_closed():
     module = tandem_module()
     S, J = int(Author.SENIOR), int(Author.JUNIOR)
     fine = fake_rollout([[S, S, J, J]] * 30, decisions=[2] * 30, junior_draws=[1] * 30)
-    module.check_authorship(fine, WordHandoff(p=0.5))
+    module.rollouts.check_authorship(fine, WordHandoff(p=0.5))
     with pytest.raises(AuthorshipError, match="all-senior"):
-        module.check_authorship(fake_rollout([[S, J]], [1], [0]), SoloHandoff("senior"))
+        module.rollouts.check_authorship(fake_rollout([[S, J]], [1], [0]), SoloHandoff("senior"))
     with pytest.raises(AuthorshipError, match="not following"):  # 0 of 60 draws with p=0.5
-        module.check_authorship(fake_rollout([[S, S, S, S]] * 30, [2] * 30, [0] * 30), WordHandoff(p=0.5))
+        module.rollouts.check_authorship(fake_rollout([[S, S, S, S]] * 30, [2] * 30, [0] * 30), WordHandoff(p=0.5))
     with pytest.raises(AuthorshipError, match="wrote no token"):
-        module.check_authorship(fake_rollout([[S, S, S, S]] * 2, [1, 1], [1, 0]), WordHandoff(p=0.5))
+        module.rollouts.check_authorship(fake_rollout([[S, S, S, S]] * 2, [1, 1], [1, 0]), WordHandoff(p=0.5))
     missing = fake_rollout([[S, S]], [1], [0])
     missing.author = None
     with pytest.raises(AuthorshipError):
-        module.check_authorship(missing, WordHandoff(p=0.5))
+        module.rollouts.check_authorship(missing, WordHandoff(p=0.5))
 
 
 def test_tandem_without_a_junior_is_refused():
@@ -176,11 +177,11 @@ def test_tandem_without_a_junior_is_refused():
 RESUME_ARGS = [
     "--config", "configs/gsm8k_tiny.yaml", "--trainer.enable_progress_bar", "false",
     "--trainer.enable_model_summary", "false", "--trainer.logger", "false",
-    "--trainer.limit_val_batches", "0", "--model.init_args.evaluate_at_start", "false",
+    "--trainer.limit_val_batches", "0", "--model.init_args.evaluation.at_start", "false",
     "--model.init_args.objective", '{"class_path": "SoftMaskedReinforce"}',
-    "--checkpoint.every_n_train_steps", "2", "--model.init_args.completions_every_n_steps", "0",
-    "--data.init_args.batch_size", "2", "--model.init_args.sampling.n", "2",
-    "--model.init_args.sampling.max_new_tokens", "12",
+    "--checkpoint.every_n_train_steps", "2", "--model.init_args.logging.completions_every_n_steps", "0",
+    "--data.init_args.batch_size", "2", "--model.init_args.rollout.sampling.n", "2",
+    "--model.init_args.rollout.sampling.max_new_tokens", "12",
 ]
 
 
@@ -226,18 +227,18 @@ def test_rollouts_in_engine_sized_chunks_equal_one_engine_call():
     from tandem_lit.objectives import GRPO
 
     def module(**settings):
-        m = TandemModule(
+        m = TandemModule(**grouped_settings(
             senior=ModelSource("configs/tiny/senior", random_init=True, init_seed=1, dtype="float32"),
             junior=ModelSource("configs/tiny/junior", random_init=True, init_seed=2, dtype="float32"),
             verifier=GSM8KVerifier(), objective=GRPO(), handoff=WordHandoff(0.5), **settings,
-        )
+        ))
         m.configure_model()
         return m
 
     rows = [{"prompt": f"Q: {i}+{i}?", "answer": str(2 * i)} for i in range(5)]
     sampling = SamplingConfig(temperature=1.0, n=3, max_new_tokens=20)
-    whole = module().rollout(rows, WordHandoff(0.5), sampling, key=7)
-    chunked = module(rollout_batch_size=4).rollout(rows, WordHandoff(0.5), sampling, key=7)  # one prompt per call
+    whole = module().rollouts.generate(rows, WordHandoff(0.5), sampling, key=7)
+    chunked = module(rollout_batch_size=4).rollouts.generate(rows, WordHandoff(0.5), sampling, key=7)  # one prompt per call
     assert chunked.rollout.texts == whole.rollout.texts
     assert chunked.group.tolist() == whole.group.tolist() == [g for g in range(5) for _ in range(3)]
     assert torch.equal(chunked.rollout.author[:, :5], whole.rollout.author[:, :5])
@@ -245,7 +246,7 @@ def test_rollouts_in_engine_sized_chunks_equal_one_engine_call():
 
 def test_language_share_is_logged_for_training_rollouts_and_each_eval_mode(tmp_path):
     pytest.importorskip("py3langid")
-    from tandem_lit.language import LanguageShare
+    from tandem_lit.evaluation.language import LanguageShare
 
     module = tandem_module(
         language=LanguageShare(language="fr", languages=["en", "fr"], min_chars=1),

@@ -14,7 +14,7 @@ from tandem_lit.rollout.handoff import SoloHandoff, WordHandoff
 from tandem_lit.rollout.record import PromptBatch
 from tandem_lit.rollout.sampling import SamplingConfig, sequence_seeds
 from tandem_lit.rollout.static import FastEngine
-from tandem_lit.settings import PromptFormat
+from tandem_lit.training.settings import PromptFormat
 from tests.test_fast_engine import DEVICES, assert_same_rollouts, build
 
 SENIOR_PROMPTS = ["Q: 2+3?\nA:", "Hi", "The quick brown fox", "1. a\n\n2."]
@@ -35,7 +35,7 @@ def batch(tokenizer, prompts, partner=None, device="cpu"):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from tandem_lit.tiny import char_tokenizer
+    from tandem_lit.models.tiny import char_tokenizer
 
     return char_tokenizer()
 
@@ -99,8 +99,8 @@ def test_prompt_template_is_checked_and_applied():
 
 
 def tiny_module(junior_format, small_tok, small_model, other_small_model, **extra):
-    from tandem_lit.module import default_engine
     from tandem_lit.objectives import Reinforce
+    from tandem_lit.rollout.choice import default_engine
     from tandem_lit.verifiers import ArithmeticVerifier
     from tests.conftest import tiny_tandem_module
 
@@ -123,16 +123,16 @@ def test_the_trainer_gives_the_junior_its_own_prompt(small_tok, small_model, oth
     pretemplated = [{**row, "prompt": f"ee {row['prompt']}"} for row in rows]
     junior_only = SoloHandoff(author="junior")
     # the junior alone after its own prompt = the junior alone on prompts that already carry that text
-    assert (own.rollout(rows, junior_only, own.test_sampling, key=0).rollout.texts
-            == shared.rollout(pretemplated, junior_only, shared.test_sampling, key=0).rollout.texts)
+    assert (own.rollouts.generate(rows, junior_only, own.evaluation.test_sampling, key=0).rollout.texts
+            == shared.rollouts.generate(pretemplated, junior_only, shared.evaluation.test_sampling, key=0).rollout.texts)
     # legibility: the junior's cross-entropy on the senior's solutions after its own prompt
-    solo = own.rollout(rows, SoloHandoff("senior"), own.test_sampling, key=0).rollout
+    solo = own.rollouts.generate(rows, SoloHandoff("senior"), own.evaluation.test_sampling, key=0).rollout
     prompts = [row["prompt"] for row in rows for _ in range(2)]
     nll_own = own.partner_cross_entropy(solo, prompts)
     view = shared.partner_view(solo, prompts)
     assert torch.equal(view.prompt_ids, solo.prompt_ids)  # no junior format: the senior's prompts
     relabelled = own.partner_view(solo, prompts)
-    expected = shared.encode_prompts([f"ee {p}" for p in prompts])
+    expected = shared.rollouts.encode_prompts([f"ee {p}" for p in prompts])
     assert torch.equal(relabelled.prompt_ids, expected["input_ids"])
     assert nll_own != shared.partner_cross_entropy(solo, prompts)
 

@@ -9,6 +9,7 @@ import importlib.util
 import pytest
 import torch
 
+from tests.conftest import grouped_settings
 from tests.test_evaluation import one_line_error
 
 pytestmark = [pytest.mark.filterwarnings(r"ignore:.*module\(s\) in eval mode")]
@@ -36,13 +37,13 @@ def test_qlora_trains_on_gpu_and_the_fast_engine_decodes_the_merged_dequantised_
     from peft.utils.integrations import dequantize_module_weight
 
     from tandem_lit.models import LoraSettings, ModelSource
-    from tandem_lit.module import TandemModule
     from tandem_lit.objectives import GRPO
     from tandem_lit.rollout import SamplingConfig, WordHandoff
     from tandem_lit.rollout.static import FastEngine
+    from tandem_lit.training.module import TandemModule
     from tests.test_gpu_training import HasSpaceVerifier, Rows
 
-    module = TandemModule(
+    module = TandemModule(**grouped_settings(
         senior=ModelSource("configs/tiny/senior", random_init=True, init_seed=1, dtype="bfloat16"),
         junior=ModelSource("configs/tiny/junior", random_init=True, init_seed=2, dtype="bfloat16"),
         verifier=HasSpaceVerifier(), objective=GRPO(), handoff=WordHandoff(0.5),
@@ -50,7 +51,7 @@ def test_qlora_trains_on_gpu_and_the_fast_engine_decodes_the_merged_dequantised_
         sampling=SamplingConfig(temperature=1.0, n=4, max_new_tokens=32),
         optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
         eval_modes=["senior"], evaluate_at_start=False, completions_every_n_steps=0,
-    )
+    ))
     module.configure_model()
     assert isinstance(module.engine, FastEngine), "a QLoRA senior must not fall back to HFEngine"
     devices = {p.device.type for p in module.senior.parameters()}

@@ -19,9 +19,9 @@ pytestmark = [pytest.mark.filterwarnings("ignore:No seed found"), pytest.mark.us
 
 FAST = [
     "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false", "--trainer.logger", "false",
-    "--trainer.limit_val_batches", "0", "--model.init_args.evaluate_at_start", "false",
-    "--data.init_args.batch_size", "2", "--model.init_args.sampling.n", "2",
-    "--model.init_args.sampling.max_new_tokens", "12", "--model.init_args.completions_every_n_steps", "1",
+    "--trainer.limit_val_batches", "0", "--model.init_args.evaluation.at_start", "false",
+    "--data.init_args.batch_size", "2", "--model.init_args.rollout.sampling.n", "2",
+    "--model.init_args.rollout.sampling.max_new_tokens", "12", "--model.init_args.logging.completions_every_n_steps", "1",
     "--checkpoint.every_n_train_steps", "2",
 ]
 

@@ -14,6 +14,7 @@ from peft import LoraConfig, get_peft_model
 
 from tandem_lit.data import GSM8KDataModule
 from tandem_lit.models import LoraSettings
+from tandem_lit.models.tiny import tiny_llama_config
 from tandem_lit.objectives import GRPO
 from tandem_lit.rollout import FastEngine, HFEngine, SamplingConfig
 from tandem_lit.rollout.weights import (
@@ -22,7 +23,6 @@ from tandem_lit.rollout.weights import (
     load_named_tensors,
     rollout_named_tensors,
 )
-from tandem_lit.tiny import tiny_llama_config
 from tandem_lit.verifiers.base import Grade, Verifier
 
 pytestmark = [

@@ -1,12 +1,12 @@
-"""tandem_lit.sft: prompt-masked supervised fine-tuning."""
+"""tandem_lit.training.sft: prompt-masked supervised fine-tuning."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from tandem_lit.sft import IGNORE, SFTConfig, SFTExample, collate, encode_examples, run_sft, target_loss
-from tandem_lit.tiny import char_tokenizer, tiny_llama_config
+from tandem_lit.models.tiny import char_tokenizer, tiny_llama_config
+from tandem_lit.training.sft import IGNORE, SFTConfig, SFTExample, collate, encode_examples, run_sft, target_loss
 
 
 def tiny_model(tokenizer, seed: int = 0):

@@ -125,8 +125,8 @@ def test_the_saved_folder_is_the_trained_model_and_a_tandem_senior(tmp_path):
     tandem = tmp_path / "tandem"
     main(args=["fit", "--config", "configs/gsm8k_tiny.yaml", "--model.init_args.senior", f"{{path: {folder}, dtype: float32}}",
                "--trainer.default_root_dir", str(tandem), "--trainer.max_steps", "1", "--trainer.limit_val_batches", "0",
-               "--model.init_args.evaluate_at_start", "false", "--data.init_args.batch_size", "2",
-               "--model.init_args.sampling.n", "2", "--model.init_args.sampling.max_new_tokens", "8", *QUIET])
+               "--model.init_args.evaluation.at_start", "false", "--data.init_args.batch_size", "2",
+               "--model.init_args.rollout.sampling.n", "2", "--model.init_args.rollout.sampling.max_new_tokens", "8", *QUIET])
     assert [row["step"] for row in history(tandem) if "train/loss" in row] == [1]
     assert yaml.safe_load((tandem / "config.yaml").read_text())["model"]["init_args"]["senior"]["path"] == str(folder)
 
@@ -229,8 +229,8 @@ def test_the_context_is_formatted_as_the_tandem_module_formats_prompts():
 
     from tandem_lit.models import ModelSource
     from tandem_lit.objectives import GRPO
-    from tandem_lit.settings import PromptFormat
-    from tandem_lit.sft import SFTModel
+    from tandem_lit.training.settings import PromptFormat
+    from tandem_lit.training.sft import SFTModel
     from tandem_lit.verifiers import GSM8KVerifier
 
     tok = AutoTokenizer.from_pretrained("configs/tiny/senior")
@@ -239,9 +239,9 @@ def test_the_context_is_formatted_as_the_tandem_module_formats_prompts():
                 PromptFormat(template="{prompt}\nReponds en francais.", chat_template=False)):
         rl = tiny_tandem_module(verifier=GSM8KVerifier(), objective=GRPO(), prompt_format=fmt)
         sft = SFTModel(ModelSource("configs/tiny/senior"), prompt_format=fmt)
-        rl.tokenizer = sft.tokenizer = tok
+        rl.rollouts.tokenizer = sft.tokenizer = tok
         prompt = "Question: 2+3?\nAnswer:"
-        assert sft.format_context(prompt) == rl.format_prompt(prompt)
-        context = rl.encode_prompts([prompt], padding=False)["input_ids"][0]
+        assert sft.format_context(prompt) == rl.rollouts.format_prompt(prompt)
+        context = rl.rollouts.encode_prompts([prompt], padding=False)["input_ids"][0]
         ids = sft.encode([{"prompt": prompt, "target": " 5"}])["input_ids"][0].tolist()
         assert ids == context + tok(" 5", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]

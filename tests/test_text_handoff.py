@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import SMALL_ALPHABET, tiny_llama
 
+from tandem_lit.models.tiny import DEFAULT_ALPHABET, char_tokenizer
 from tandem_lit.rollout.engine import (
     HFEngine,
     TokenizerMismatchError,  # noqa: I001
@@ -22,7 +23,6 @@ from tandem_lit.rollout.handoff import SentenceHandoff, SoloHandoff, TokenHandof
 from tandem_lit.rollout.record import Author, PromptBatch
 from tandem_lit.rollout.sampling import SamplingConfig, sequence_seeds
 from tandem_lit.rollout.text_handoff import TextHandoffEngine
-from tandem_lit.tiny import DEFAULT_ALPHABET, char_tokenizer
 
 PROMPTS = ["abc de.", "dd a", "e.\nab ca"]  # characters of SMALL_ALPHABET
 NON_TEXT_SPECIALS = {0, 1, 3}  # <pad>, <s>, <unk> of the character tokenizers
@@ -118,7 +118,7 @@ def test_lockstep_engines_refuse_different_tokenizers(pair):
 
 def test_cli_trains_with_a_junior_that_has_its_own_tokenizer(tmp_path, repo_root):
     from tandem_lit.cli import main
-    from tandem_lit.tiny import tiny_llama_config, write_model_dir
+    from tandem_lit.models.tiny import tiny_llama_config, write_model_dir
 
     junior_tok = char_tokenizer(DEFAULT_ALPHABET[::-1])
     junior_dir = write_model_dir(tmp_path / "junior", tiny_llama_config(len(junior_tok), hidden=32, layers=1), junior_tok)
@@ -128,7 +128,7 @@ def test_cli_trains_with_a_junior_that_has_its_own_tokenizer(tmp_path, repo_root
         "--trainer.default_root_dir", str(root), "--trainer.max_steps", "1", "--trainer.limit_val_batches", "0",
         "--model.init_args.junior.path", str(junior_dir),
         "--model.init_args.engine", "TextHandoffEngine",
-        "--model.init_args.evaluate_at_start", "false",
+        "--model.init_args.evaluation.at_start", "false",
         "--data.init_args.source", str(repo_root / "data/gsm8k-sample"),
     ])
     records = [json.loads(line) for line in (root / "completions.jsonl").read_text().splitlines()]
@@ -143,7 +143,7 @@ def test_legibility_reads_the_text_in_the_partners_own_tokens(pair):
     from conftest import tiny_tandem_module
 
     from tandem_lit.objectives import GRPO
-    from tandem_lit.settings import PromptFormat
+    from tandem_lit.training.settings import PromptFormat
     from tandem_lit.verifiers import GSM8KVerifier
 
     senior, senior_tok, junior, junior_tok = pair

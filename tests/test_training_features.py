@@ -17,10 +17,11 @@ from tandem_lit.cli import build_cli, main
 from tandem_lit.data.base import PromptDataModule
 from tandem_lit.errors import ConfigError, TandemLitError
 from tandem_lit.models import LoraSettings, ModelSource
-from tandem_lit.module import DynamicSampling, OverlongPolicy, TandemModule, TrainingStalledError
 from tandem_lit.objectives import GRPO, ObjectiveInputs
 from tandem_lit.rollout import Author, SamplingConfig, TokenHandoff, WordHandoff
 from tandem_lit.rollout.handoff import TokenClasses
+from tandem_lit.training import DynamicSampling, OverlongPolicy, TandemModule
+from tandem_lit.training.settings import TrainingStalledError
 from tandem_lit.verifiers.base import Grade, Verifier
 
 pytestmark = [
@@ -127,7 +128,7 @@ def test_dynamic_sampling_keeps_groups_with_spread_and_refills_from_the_pool():
     module.configure_model()
     pool = [row("Q: one?", NEVER), row("Q: two?", ALWAYS), row("Q: three?", MIXED),
             row("Q: four?", NEVER), row("Q: five?", MIXED), row("Q: six?", MIXED)]
-    result, stats = module.informative_rollouts(pool, key=0)
+    result, stats = module.rollouts.informative(pool, module.handoff, key=0)
     # round 1: NEVER, ALWAYS (both dropped); round 2: MIXED (kept), NEVER (dropped); round 3: one more MIXED
     assert stats == {"sampling_rounds": 3.0, "dropped_groups": 3.0, "kept_groups": 2.0}
     assert result.group.tolist() == [0] * GROUP + [1] * GROUP  # renumbered from 0
@@ -139,8 +140,8 @@ def test_dynamic_sampling_keeps_groups_with_spread_and_refills_from_the_pool():
     assert len(result.rollout.texts) == result.rollout.completion_ids.shape[0] == 2 * GROUP
 
     # the bound on rounds: a single round of two uninformative prompts gives nothing to train on
-    module.dynamic_sampling = DynamicSampling(prompts_per_step=2, max_rounds=1)
-    result, stats = module.informative_rollouts(pool, key=0)
+    module.rollout_settings.dynamic_sampling = DynamicSampling(prompts_per_step=2, max_rounds=1)
+    result, stats = module.rollouts.informative(pool, module.handoff, key=0)
     assert result is None and stats == {"sampling_rounds": 1.0, "dropped_groups": 2.0, "kept_groups": 0.0}
 
 
@@ -190,10 +191,10 @@ def test_stalled_training_is_a_one_line_cli_error(tmp_path, capsys):
         main(args=[
             "fit", "--config", "configs/gsm8k_tiny.yaml", "--trainer.default_root_dir", str(tmp_path / "run"),
             "--trainer.logger", "false", "--trainer.enable_progress_bar", "false", "--trainer.max_steps", "3",
-            "--trainer.limit_val_batches", "0", "--model.init_args.evaluate_at_start", "false",
-            "--model.init_args.sampling.max_new_tokens", "8", "--data.init_args.batch_size", "2",
-            "--model.init_args.dynamic_sampling", "{prompts_per_step: 1, max_rounds: 1}",
-            "--model.init_args.max_idle_steps", "2",
+            "--trainer.limit_val_batches", "0", "--model.init_args.evaluation.at_start", "false",
+            "--model.init_args.rollout.sampling.max_new_tokens", "8", "--data.init_args.batch_size", "2",
+            "--model.init_args.rollout.dynamic_sampling", "{prompts_per_step: 1, max_rounds: 1}",
+            "--model.init_args.update.max_idle_steps", "2",
         ])
     assert info.value.code == 2
     err = capsys.readouterr().err
@@ -243,13 +244,13 @@ def overlong_rows():
 def spy_on_optimise(module: TandemModule) -> dict[str, Any]:
     """Record the graded rollouts each update is computed from."""
     captured: dict[str, Any] = {}
-    optimise = module.optimise
+    run = module.updates.run
 
-    def spy(result):
+    def spy(result, *args, **kwargs):
         captured["result"] = result
-        return optimise(result)
+        return run(result, *args, **kwargs)
 
-    module.optimise = spy
+    module.updates.run = spy
     return captured
 
 
@@ -330,7 +331,7 @@ def test_a_run_whose_prompts_are_all_too_long_stops_with_an_error(tmp_path):
 @pytest.fixture(scope="module")
 def small_alphabet_dir(tmp_path_factory):
     """A tiny model folder over 8 characters: a random model writes a space every few tokens."""
-    from tandem_lit.tiny import char_tokenizer, tiny_llama_config, write_model_dir
+    from tandem_lit.models.tiny import char_tokenizer, tiny_llama_config, write_model_dir
 
     tokenizer = char_tokenizer("abcde .\n")
     return write_model_dir(tmp_path_factory.mktemp("small") / "model", tiny_llama_config(len(tokenizer)), tokenizer)
@@ -345,8 +346,8 @@ def test_max_spans_ends_a_rollout_as_truncated_after_that_many_spans(small_alpha
     )
     module.configure_model()
     rows = [{"prompt": "a bad cab.", "chars": MIXED}, {"prompt": "dead bead", "chars": MIXED}]
-    free = module.rollout(rows, policy_class(p=0.5), module.sampling, key=3).rollout
-    limited = module.rollout(rows, policy_class(p=0.5, max_spans=limit), module.sampling, key=3).rollout
+    free = module.rollouts.generate(rows, policy_class(p=0.5), module.sampling, key=3).rollout
+    limited = module.rollouts.generate(rows, policy_class(p=0.5, max_spans=limit), module.sampling, key=3).rollout
     classes = TokenClasses.from_tokenizer(module.tokenizer)
     cut = 0
     for i in range(len(free.texts)):
@@ -376,9 +377,9 @@ CHECKPOINT_RUN = [
     "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
     "--trainer.max_steps", "3", "--trainer.val_check_interval", "1", "--trainer.limit_val_batches", "1",
     "--data.init_args.batch_size", "2", "--data.init_args.eval_batch_size", "4",
-    "--model.init_args.sampling.n", "2", "--model.init_args.sampling.max_new_tokens", "12",
-    "--model.init_args.eval_sampling", "{temperature: 1.0, n: 2, max_new_tokens: 16, seed: 0}",
-    "--model.init_args.eval_modes", "[senior]", "--model.init_args.evaluate_at_start", "false",
+    "--model.init_args.rollout.sampling.n", "2", "--model.init_args.rollout.sampling.max_new_tokens", "12",
+    "--model.init_args.evaluation.sampling", "{temperature: 1.0, n: 2, max_new_tokens: 16, seed: 0}",
+    "--model.init_args.evaluation.modes", "[senior]", "--model.init_args.evaluation.at_start", "false",
     # a text-dependent reward, so that held-out pass@2 is neither 0 nor 1 and moves between steps
     "--model.init_args.verifier", "test_training_features.AnyCharVerifier",
     "--model.init_args.objective", "{class_path: GRPO}",

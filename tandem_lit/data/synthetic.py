@@ -1,4 +1,4 @@
-"""The offline demo's data: synthetic arithmetic word problems (``tandem_lit.demo.world``).
+"""The offline demo's data: synthetic arithmetic word problems (``tandem_lit.data.world``).
 
 Rows carry ``answer`` (for ``GSM8KVerifier``) and the reference solution in both styles. The
 validation and test problems come from the held-out slice of the question space, which the demo
@@ -21,7 +21,7 @@ class SyntheticArithmeticDataModule(PromptDataModule):
         val_size: Held-out problems for validation.
         test_size: Held-out problems for test (disjoint from validation).
         world_seed: Seed of the problem generator (the demo recipe's seed: same world).
-        templates: Problem templates to use (None: all; see ``tandem_lit.demo.world.TEMPLATES``).
+        templates: Problem templates to use (None: all; see ``tandem_lit.data.world.TEMPLATES``).
         batch_size: Prompts per training step.
         eval_batch_size: Prompts per validation/test batch.
         seed: Seed of the training order.
@@ -48,7 +48,7 @@ class SyntheticArithmeticDataModule(PromptDataModule):
         self.templates = tuple(templates) if templates else None
 
     def load_split(self, split: Split) -> list[dict[str, Any]]:
-        from tandem_lit.demo.world import problems
+        from tandem_lit.data.world import problems
 
         try:
             if split == "train":

@@ -5,8 +5,11 @@
 language gap); see docs/demo.md.
 """
 
+from tandem_lit.data.world import Calc, Problem, problems
 from tandem_lit.demo.build import RECIPES, LanguagePhase, Phase, Recipe, Shape, cache_root, demo_model_dir, ensure_built
-from tandem_lit.demo.world import Calc, Problem, problems
+from tandem_lit.models import register_resolver
+
+register_resolver("demo", demo_model_dir)
 
 __all__ = [
     "RECIPES", "Calc", "LanguagePhase", "Phase", "Problem", "Recipe", "Shape", "cache_root", "demo_model_dir", "ensure_built",

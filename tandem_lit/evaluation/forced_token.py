@@ -17,18 +17,15 @@ from __future__ import annotations
 import dataclasses
 import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from tandem_lit.errors import ConfigError
-from tandem_lit.logprobs import completion_top_tokens
-from tandem_lit.results import RolloutResult
+from tandem_lit.evaluation.results import RolloutResult
 from tandem_lit.rollout.handoff import SoloHandoff
+from tandem_lit.rollout.logprobs import completion_top_tokens
 from tandem_lit.rollout.record import PromptBatch
-
-if TYPE_CHECKING:
-    from tandem_lit.module import TandemModule
 
 
 @dataclass
@@ -40,7 +37,7 @@ class ForcedToken:
     position: int | None
 
 
-def forced_token_outcomes(module: TandemModule, rows: list[dict[str, Any]], solo: RolloutResult, key: int) -> list[ForcedToken]:
+def forced_token_outcomes(module, rows: list[dict[str, Any]], solo: RolloutResult, key: int) -> list[ForcedToken]:
     """Force one junior token into each of ``solo``'s samples (``rows``' rollouts) and grade the
     senior's continuation (``key``: the test batch's key; it seeds the position draws and the
     continuations). The junior reads the solution after its own prompt."""
@@ -53,7 +50,7 @@ def forced_token_outcomes(module: TandemModule, rows: list[dict[str, Any]], solo
     forced: list[tuple[int, int, int]] = []  # (sample, position, junior token)
     per_row = rollout.completion_ids.shape[0] // len(rows)
     prompts = [row["prompt"] for row in rows for _ in range(per_row)]
-    for micro in torch.arange(rollout.completion_ids.shape[0], device=module.device).split(module.micro_batch_size):
+    for micro in torch.arange(rollout.completion_ids.shape[0], device=module.device).split(module.update_settings.micro_batch_size):
         part = rollout.select(micro).trimmed()
         senior_top = completion_top_tokens(module.senior, part)
         junior_view = module.partner_view(part, [prompts[i] for i in micro.tolist()])
@@ -74,12 +71,12 @@ def forced_token_outcomes(module: TandemModule, rows: list[dict[str, Any]], solo
     return outcomes
 
 
-def continue_after(module: TandemModule, solo: RolloutResult, forced: list[tuple[int, int, int]], key: int) -> list[str]:
+def continue_after(module, solo: RolloutResult, forced: list[tuple[int, int, int]], key: int) -> list[str]:
     """The full text of each forced sample: the solo prefix, the junior's token, then the senior alone."""
     if not forced:
         return []
     rollout, tokenizer = solo.rollout, module.tokenizer
-    budget = module.test_sampling.max_new_tokens
+    budget = module.evaluation.test_sampling.max_new_tokens
     engine = module.ready_engine()
     end_ids = set(getattr(engine, "eos_token_ids", [tokenizer.eos_token_id]))
     prefixes, prompts = [], []
@@ -91,8 +88,8 @@ def continue_after(module: TandemModule, solo: RolloutResult, forced: list[tuple
     continuations: list[list[int]] = [[] for _ in forced]
     todo = [i for i, prefix in enumerate(prefixes) if prefix[-1] not in end_ids and len(prefix) < budget]
     left = max((budget - len(prefixes[i]) for i in todo), default=0)
-    sampling = dataclasses.replace(module.test_sampling, n=1, max_new_tokens=max(left, 1))
-    per_call = module.rollout_batch_size or len(todo) or 1
+    sampling = dataclasses.replace(module.evaluation.test_sampling, n=1, max_new_tokens=max(left, 1))
+    per_call = module.rollout_settings.batch_size or len(todo) or 1
     pad = engine.pad_token_id
     for start in range(0, len(todo), per_call):
         chunk = todo[start : start + per_call]

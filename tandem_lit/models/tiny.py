@@ -4,7 +4,7 @@ Model weights cannot be downloaded everywhere (CI, offline laptops), so tests, t
 and CPU benchmarks build small Llama-architecture models from configs. They are ordinary
 ``transformers`` models: they save, load and run through exactly the code paths hub models use.
 
-    python -m tandem_lit.tiny configs/tiny/senior --hidden 64 --layers 2
+    python -m tandem_lit.models.tiny configs/tiny/senior --hidden 64 --layers 2
 """
 
 from __future__ import annotations

@@ -248,3 +248,39 @@ class OptimizerOffload:
                     state[key] = local
                     moved += value.numel() * value.element_size()
         return moved
+
+
+def estimate_run_memory(
+    senior: nn.Module, junior: nn.Module | None, reference_copy: bool, requested_dtype: str, rollout, update, memory,
+    prompts_per_step: int, mixed_precision: bool, decode_dtype: torch.dtype | None = None,
+) -> MemoryEstimate:
+    """A training step's memory from the models' shapes and a run's settings (``RolloutSettings``,
+    ``UpdateSettings``, ``MemorySettings``); ``decode_dtype`` defaults to the engine's rollout
+    dtype (``requested_dtype``) here: pass bf16 to size a GPU run elsewhere."""
+    from tandem_lit.rollout.weights import needs_copy, rollout_dtype
+
+    if decode_dtype is None and requested_dtype != "live":
+        decode_dtype = rollout_dtype(requested_dtype, senior)
+    copy = decode_dtype is not None and needs_copy(senior, decode_dtype)
+    senior_shape = ModelShape.of(senior)
+    junior_shape = ModelShape.of(junior) if junior is not None else None
+    n = rollout.sampling.n
+    step_rollouts = prompts_per_step * n
+    per_call = max(1, (rollout.batch_size or step_rollouts) // n) * n
+    sequence_tokens = (rollout.max_prompt_tokens or 512) + rollout.sampling.max_new_tokens
+    micro_tokens = update.micro_batch_size * sequence_tokens
+    if memory.micro_batch_tokens is not None:
+        micro_tokens = min(micro_tokens, max(memory.micro_batch_tokens, sequence_tokens))
+    settings = StepSettings(
+        rollout_sequences=min(per_call, step_rollouts),
+        sequence_tokens=sequence_tokens,
+        micro_batch_tokens=micro_tokens,
+        rollout_bytes=decode_dtype.itemsize if copy else senior_shape.param_bytes,
+        rollout_copy=copy,
+        junior_bytes=junior_shape.param_bytes if junior_shape else 0,
+        mixed_precision=mixed_precision,
+        checkpointing=memory.gradient_checkpointing,
+        offload_optimizer=memory.offload_optimizer,
+        reference_copy=reference_copy,
+    )
+    return estimate_step_memory(senior_shape, junior_shape, settings)

@@ -19,11 +19,13 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tandem_lit.metrics import pass_at_k
+import torch.distributed as dist
+
+from tandem_lit.evaluation.metrics import pass_at_k
 
 
 def forced_token_summary(forced: list[tuple[bool, bool, bool]]) -> dict[str, float]:
-    """The one-forced-token experiment (tandem_lit/forced_token.py) from per-sample (solo correct,
+    """The one-forced-token experiment (tandem_lit/evaluation/forced_token.py) from per-sample (solo correct,
     correct after forcing, a token was forced): success after forcing, its change from solo,
     the share of solo-correct samples that stay correct, and how many samples had a position."""
     n = len(forced)
@@ -186,3 +188,16 @@ def write_report(report: dict, ks: list[int], folder: Path) -> list[Path]:
     md_path = folder / "results.md"
     md_path.write_text(markdown_table(report, ks))
     return [json_path, md_path, plot_pass_at_k(report, ks, folder / "pass_at_k.png")]
+
+
+def merge_totals(totals: dict[str, list[float]]) -> dict[str, list[float]]:
+    """{name: [sum, count]} added up over ranks (a rank whose share was empty has no names)."""
+    every: list[dict[str, list[float]] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, totals)
+    merged: dict[str, list[float]] = {}
+    for part in every:
+        for name, (total, count) in (part or {}).items():
+            entry = merged.setdefault(name, [0.0, 0])
+            entry[0] += total
+            entry[1] += count
+    return merged

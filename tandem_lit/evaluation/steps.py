@@ -20,12 +20,19 @@ from typing import Any, Literal
 
 import torch
 
-from tandem_lit.distributed import merge_totals
-from tandem_lit.evaluation import DatasetTally, flat_metrics, markdown_table, summarize, write_report
-from tandem_lit.forced_token import forced_token_outcomes
-from tandem_lit.metrics import pass_at_k
-from tandem_lit.results import RolloutResult
+from tandem_lit.evaluation.forced_token import forced_token_outcomes
+from tandem_lit.evaluation.metrics import pass_at_k
+from tandem_lit.evaluation.report import (
+    DatasetTally,
+    flat_metrics,
+    markdown_table,
+    merge_totals,
+    summarize,
+    write_report,
+)
+from tandem_lit.evaluation.results import RolloutResult
 from tandem_lit.rollout.handoff import HandoffPolicy, SoloHandoff
+from tandem_lit.rollout.logprobs import completion_logprobs
 from tandem_lit.rollout.record import Author, Rollout
 from tandem_lit.verifiers.base import label_means
 
@@ -36,29 +43,29 @@ EvalMode = Literal["senior", "junior", "tandem"]
 
 class EvaluationSteps:
     """Lightning's validation, test and predict hooks of ``TandemModule`` (a mixin: it uses the
-    module's ``rollout``, ``jargon``, ``eval_*``/``test_*`` settings and loggers)."""
+    module's ``rollouts`` phase, ``evaluation`` and ``logging_settings``, ``jargon`` and loggers)."""
 
     def eval_policy(self, mode: EvalMode) -> HandoffPolicy:
         if mode == "tandem":
-            return self.eval_handoff
+            return self.evaluation.handoff
         return SoloHandoff(author=mode)
 
     def evaluate_batch(self, rows: list[dict[str, Any]], key: int, row_ids: list[int] | None = None) -> dict[str, tuple[float, int]]:
         """Each eval mode on one batch: {metric name: (mean, count)}. ``row_ids``: the rows'
         places in the whole batch (their seeds), when this is one rank's share of it."""
         out: dict[str, tuple[float, int]] = {}
-        for mode in self.eval_modes:
-            result = self.rollout(rows, self.eval_policy(mode), self.eval_sampling, key, row_ids)
+        for mode in self.evaluation.modes:
+            result = self.rollouts.generate(rows, self.eval_policy(mode), self.evaluation.sampling, key, row_ids)
             n = len(result.grades)
             out[f"eval/{mode}_accuracy"] = (sum(result.correct) / n, n)
-            samples = self.eval_sampling.n
+            samples = self.evaluation.sampling.n
             correct = torch.tensor(result.correct).view(len(rows), samples).sum(-1).tolist()
-            for k in self.pass_k:
+            for k in self.evaluation.pass_k:
                 if 1 < k <= samples:
                     out[f"eval/{mode}_pass_at_{k}"] = (sum(pass_at_k(samples, c, k) for c in correct) / len(rows), len(rows))
             out[f"eval/{mode}_jargon_rate"] = (self.jargon.rate(result.rollout.texts), n)
-            if self.language is not None:
-                shares = [s for s in self.language.shares(result.rollout.texts) if s is not None]
+            if self.logging_settings.language is not None:
+                shares = [s for s in self.logging_settings.language.shares(result.rollout.texts) if s is not None]
                 if shares:  # (texts with no identifiable language, e.g. bare equations, do not count)
                     out[f"eval/{mode}_language_share"] = (sum(shares) / len(shares), len(shares))
             for name, measured in label_means(result.grades).items():  # the verifier's own (elegance, tests passed)
@@ -105,7 +112,7 @@ class EvaluationSteps:
             self.log_metrics_at_update(means)
 
     def on_train_start(self) -> None:
-        if not self.evaluate_at_start or self.global_step > 0 or not self.trainer.val_dataloaders:
+        if not self.evaluation.at_start or self.global_step > 0 or not self.trainer.val_dataloaders:
             return
         self.ready_engine()
         totals: dict[str, list[float]] = {}
@@ -119,13 +126,13 @@ class EvaluationSteps:
         """Completions of every eval mode for the rows (``eval_sampling``), graded, with spans
         marked by author; also appended to ``predictions.jsonl`` in the run folder."""
         records = []
-        for mode in self.eval_modes:
-            result = self.rollout(batch, self.eval_policy(mode), self.eval_sampling, dataloader_idx * 1_000_003 + batch_idx)
+        for mode in self.evaluation.modes:
+            result = self.rollouts.generate(batch, self.eval_policy(mode), self.evaluation.sampling, dataloader_idx * 1_000_003 + batch_idx)
             for i, grade in enumerate(result.grades):
                 spans = result.rollout.spans(i, self.tokenizer)
                 records.append({
                     "mode": mode,
-                    "prompt": batch[i // self.eval_sampling.n]["prompt"],
+                    "prompt": batch[i // self.evaluation.sampling.n]["prompt"],
                     "completion": result.rollout.texts[i],
                     "reward": grade.reward,
                     "correct": grade.correct,
@@ -142,23 +149,23 @@ class EvaluationSteps:
     def test_step(self, batch: list[dict[str, Any]], batch_idx: int, dataloader_idx: int = 0) -> None:
         """Solo and handoff samples of every problem, graded, tallied per eval set."""
         name = str(batch[0].get("dataset", f"set{dataloader_idx}"))
-        tally = self._test_tallies.setdefault(name, DatasetTally(n=self.test_sampling.n))
+        tally = self._test_tallies.setdefault(name, DatasetTally(n=self.evaluation.test_sampling.n))
         key = dataloader_idx * 1_000_003 + batch_idx
-        solo = self.rollout(batch, SoloHandoff("senior"), self.test_sampling, key)
+        solo = self.rollouts.generate(batch, SoloHandoff("senior"), self.evaluation.test_sampling, key)
         self._tally(tally, solo, handoff=False)
-        if self.test_forced_token:
+        if self.evaluation.test_forced_token:
             tally.forced.extend((o.solo_correct, o.correct, o.position is not None) for o in forced_token_outcomes(self, batch, solo, key))
         if self.junior is not None:
-            handoff = self.rollout(batch, self.test_handoff, self.test_sampling, key)
+            handoff = self.rollouts.generate(batch, self.evaluation.test_handoff, self.evaluation.test_sampling, key)
             self._tally(tally, handoff, handoff=True)
-            prompts = [row["prompt"] for row in batch for _ in range(self.test_sampling.n)]
+            prompts = [row["prompt"] for row in batch for _ in range(self.evaluation.test_sampling.n)]
             nll, tokens, chars = self.partner_cross_entropy(solo.rollout, prompts)
             tally.partner_nll += nll
             tally.partner_tokens += tokens
             tally.partner_chars += chars
 
     def _tally(self, tally: DatasetTally, result: RolloutResult, handoff: bool) -> None:
-        n = self.test_sampling.n
+        n = self.evaluation.test_sampling.n
         per_problem = torch.tensor(result.correct).view(-1, n).sum(-1).tolist()
         (tally.handoff_correct if handoff else tally.solo_correct).extend(per_problem)
         (tally.handoff_lengths if handoff else tally.solo_lengths).extend(result.rollout.lengths.tolist())
@@ -179,9 +186,9 @@ class EvaluationSteps:
         rollout = self.partner_view(rollout, prompts)
         rows = torch.arange(rollout.completion_ids.shape[0], device=self.device)
         total, tokens = 0.0, 0
-        for m in rows.split(self.micro_batch_size):
+        for m in rows.split(self.update_settings.micro_batch_size):
             part = rollout.select(m)
-            logp = self.sequence_logprobs(self.junior, part, temperature=1.0)
+            logp = completion_logprobs(self.junior, part, temperature=1.0)
             mask = part.completion_mask
             total += float(-(logp * mask).sum())
             tokens += int(mask.sum())
@@ -196,9 +203,9 @@ class EvaluationSteps:
         format), in its own tokens when it has a tokenizer of its own."""
         if self.partner_has_own_tokenizer():
             return self.partner_tokens(rollout, prompts)
-        if self.junior_prompt_format is None:
+        if self.rollout_settings.junior_prompt_format is None:
             return rollout
-        encoded = self.encode_junior_prompts(prompts)
+        encoded = self.rollouts.encode_junior_prompts(prompts)
         return dataclasses.replace(
             rollout, prompt_ids=encoded["input_ids"].to(self.device), prompt_mask=encoded["attention_mask"].to(self.device)
         )
@@ -207,7 +214,7 @@ class EvaluationSteps:
         """The same solutions as the partner reads them: its prompts, the text in its tokens, and
         its end token where the solution ended."""
         tokenizer = self.junior_tokenizer
-        encoded = self.encode_junior_prompts(prompts)
+        encoded = self.rollouts.encode_junior_prompts(prompts)
         end = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         ids = [
             tokenizer(text, add_special_tokens=False)["input_ids"] + (end if finished else [])
@@ -231,16 +238,16 @@ class EvaluationSteps:
         self._test_tallies = {}
 
     def on_test_epoch_end(self) -> None:
-        report = summarize(self._test_tallies, self.pass_k)
+        report = summarize(self._test_tallies, self.evaluation.pass_k)
         report["settings"] = {
-            "sampling": vars(self.test_sampling), "handoff": repr(self.test_handoff), "pass_k": self.pass_k,
+            "sampling": vars(self.evaluation.test_sampling), "handoff": repr(self.evaluation.test_handoff), "pass_k": self.evaluation.pass_k,
             "senior": vars(self.senior_source), "partner": vars(self.junior_source) if self.junior_source else None,
         }
         self.log_dict(flat_metrics(report))
         if self.trainer.is_global_zero:
-            from tandem_lit.callbacks import log_artifact
+            from tandem_lit.runs import log_artifact
 
-            for path in write_report(report, self.pass_k, Path(self.trainer.default_root_dir) / "eval"):
+            for path in write_report(report, self.evaluation.pass_k, Path(self.trainer.default_root_dir) / "eval"):
                 log_artifact(self.trainer, path, "eval")
-            print(markdown_table(report, self.pass_k))
+            print(markdown_table(report, self.evaluation.pass_k))
         self.test_report = report

@@ -50,7 +50,7 @@ from tandem_lit.models import (
     quantization_config,
 )
 from tandem_lit.runs import start_run_record
-from tandem_lit.settings import PromptFormat
+from tandem_lit.training.settings import PromptFormat
 
 log = logging.getLogger(__name__)
 

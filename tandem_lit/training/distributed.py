@@ -15,7 +15,7 @@ How a step runs on W ranks (``TandemModule`` calls the helpers below):
 - the loss is normalised by batch-wide totals (``all_reduce_sum``) and multiplied by W,
   since FSDP averages gradients over ranks: the update equals the one-process update;
 - every rank runs as many forward/backward passes as the busiest one (``balance``);
-- metrics are reduced over ranks (``reduce_metrics``, eval tallies ``merge_totals``); files are
+- metrics are reduced over ranks (``reduce_metrics``, eval tallies ``evaluation.report.merge_totals``); files are
   written by rank 0.
 """
 
@@ -32,8 +32,9 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor, nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-from tandem_lit.logprobs import last_hidden_state
-from tandem_lit.rollout.weights import plain_model
+from tandem_lit.errors import ConfigError
+from tandem_lit.rollout.logprobs import last_hidden_state
+from tandem_lit.rollout.weights import is_sharded, plain_model
 
 # metrics that add up over ranks (counts, throughput) or take the largest; the rest are means
 # (``loss``: each rank's part of the batch-wide normalised loss)
@@ -84,6 +85,29 @@ def shard_model(model: nn.Module, mesh, bf16_compute: bool) -> nn.Module:
     return model
 
 
+def check_several_processes(senior: nn.Module, trainer, mini_batch_size: int | None, single_process_only: dict[str, Any]) -> None:
+    """What must hold for W ranks to take equal shares of every step (``rank_rows``);
+    ``single_process_only``: settings (name: value) that need one process when set."""
+    world = trainer.world_size
+    if not is_sharded(senior):
+        raise ConfigError(
+            f"{world} processes with trainer.strategy {type(trainer.strategy).__name__}: tandem-lit trains on "
+            "several processes with trainer.strategy: fsdp (FSDP2) only"
+        )
+    batch_size = getattr(trainer.datamodule, "batch_size", None)
+    if batch_size is not None:
+        try:
+            rank_rows(batch_size, world, 0, mini_batch_size)
+        except ValueError:
+            raise ConfigError(
+                f"data batch_size {batch_size} in mini-batches of {mini_batch_size or batch_size} prompts does not "
+                f"split over {world} processes: make every mini-batch a multiple of {world} prompts"
+            ) from None
+    for what, value in single_process_only.items():
+        if value is not None:  # these make ranks' shares unequal
+            raise ConfigError(f"{what} is not supported on several processes yet: unset it, or train on one")
+
+
 def rank_rows(rows: int, world: int, rank: int, prompts_per_update: int | None) -> list[int]:
     """Indices of the global batch's rows that ``rank`` rolls out: its slice of every PPO
     mini-batch of ``prompts_per_update`` prompts (the whole batch: one update; the last one may be
@@ -127,17 +151,6 @@ def reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def merge_totals(totals: dict[str, list[float]]) -> dict[str, list[float]]:
-    """{name: [sum, count]} added up over ranks (a rank whose share was empty has no names)."""
-    every: list[dict[str, list[float]] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, totals)
-    merged: dict[str, list[float]] = {}
-    for part in every:
-        for name, (total, count) in (part or {}).items():
-            entry = merged.setdefault(name, [0.0, 0])
-            entry[0] += total
-            entry[1] += count
-    return merged
 
 
 def balance(batches: list[Tensor], count: int) -> list[Tensor]:

@@ -22,7 +22,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from tandem_lit.errors import ConfigError
-from tandem_lit.runs import mlflow_loggers
+from tandem_lit.runs import log_artifact
 
 log = logging.getLogger(__name__)
 
@@ -209,11 +209,6 @@ class GracefulStop(L.Callback):
         if self._previous is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, self._previous)
             self._previous = None
-
-
-def log_artifact(trainer: L.Trainer, path: Path, folder: str | None = None) -> None:
-    for logger in mlflow_loggers(trainer):
-        logger.experiment.log_artifact(logger.run_id, str(path), folder)
 
 
 class SaveConfigToRun(SaveConfigCallback):

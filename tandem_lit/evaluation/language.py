@@ -293,7 +293,7 @@ class LanguageShare:
 
 class WordListLanguageShare(LanguageShare):
     """Fraction of a solution's listed words that are ``language``'s: a language share for a closed
-    vocabulary, such as the offline demo's synthetic world (``tandem_lit.demo.world.VOCABULARY``),
+    vocabulary, such as the offline demo's synthetic world (``tandem_lit.data.world.VOCABULARY``),
     whose short sentences of names, numbers and a few connectives a statistical identifier cannot
     be trusted on, and whose made-up languages it does not know.
 

@@ -1,0 +1,30 @@
+"""``completions.jsonl``: sample completions of a run, spans marked by author, for a person to read."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tandem_lit.evaluation.results import RolloutResult
+
+
+def append(folder: str | Path, result: RolloutResult, tokenizer, split: str, run_id: str | None, step: int, count: int) -> None:
+    """Append the first ``count`` rollouts of ``result`` to ``<folder>/completions.jsonl``."""
+    path = Path(folder) / "completions.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rollout = result.rollout
+    with path.open("a", encoding="utf-8") as f:
+        for i in range(min(count, len(result.grades))):
+            spans = rollout.spans(i, tokenizer)
+            record = {
+                "run_id": run_id,
+                "step": step,
+                "split": split,
+                "prompt": tokenizer.decode(rollout.prompt_ids[i][rollout.prompt_mask[i].bool()]),
+                "reward": result.grades[i].reward,
+                "correct": result.grades[i].correct,
+                "extracted": result.grades[i].extracted,
+                "spans": [{"author": a.name.lower(), "text": t} for a, t in spans],
+                "marked": "".join(f"[{a.name[0]}]{t}" for a, t in spans),
+            }
+            f.write(json.dumps(record) + "\n")

@@ -1,0 +1,165 @@
+"""The rollout phase of a training step: prompts in, graded rollouts out.
+
+    rows -> prompts that fit -> formatted, tokenised prompts (each model its own format)
+         -> engine.generate in calls of at most ``rollout.batch_size`` sequences
+         -> authorship check (fail closed) -> verifier -> RolloutResult
+
+Dynamic sampling (DAPO) repeats this over more of the data batch until enough prompt groups have
+rewards that differ. Validation and test draw their rollouts through the same ``generate``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from tandem_lit.evaluation.results import RolloutResult, concat_results
+from tandem_lit.objectives.base import AuthorshipError
+from tandem_lit.rollout.engine import RolloutEngine
+from tandem_lit.rollout.handoff import HandoffPolicy
+from tandem_lit.rollout.record import Author, PromptBatch, Rollout
+from tandem_lit.rollout.sampling import SamplingConfig, sequence_seeds
+from tandem_lit.training.settings import PromptFormat, RolloutSettings
+from tandem_lit.verifiers.base import Verifier
+
+log = logging.getLogger(__name__)
+
+
+class RolloutPhase:
+    """Generates and grades rollouts for rows of a data batch.
+
+    ``ready_engine()`` returns the engine bound to the models with the current weights (the
+    module owns that: it knows when the weights moved); ``device()`` where prompts go.
+    """
+
+    def __init__(self, settings: RolloutSettings, verifier: Verifier, has_junior: bool):
+        self.settings = settings
+        self.verifier = verifier
+        self.has_junior = has_junior
+        self.tokenizer = None
+        self.junior_tokenizer = None
+        self.timing: dict[str, float] = {}  # the engine's phase times, summed over the calls since reset
+
+    def bind(self, tokenizer, junior_tokenizer, ready_engine: Callable[[], RolloutEngine], device: Callable[[], torch.device]) -> None:
+        self.tokenizer, self.junior_tokenizer = tokenizer, junior_tokenizer
+        self.ready_engine, self.device = ready_engine, device
+
+    # ------------------------------------------------------------------------------- prompts
+
+    def format_prompt(self, prompt: str, tokenizer=None, fmt: PromptFormat | None = None) -> str:
+        """The model input for a row's prompt (``PromptFormat.render``; the senior's format by default)."""
+        return (fmt or self.settings.prompt_format).render(prompt, tokenizer or self.tokenizer)
+
+    def encode_prompts(self, prompts: list[str], tokenizer=None, padding: bool = True, fmt: PromptFormat | None = None) -> dict:
+        """Token ids of formatted prompts (left-padded; a chat template brings its own special tokens)."""
+        tokenizer = tokenizer or self.tokenizer
+        fmt = fmt or self.settings.prompt_format
+        texts = [self.format_prompt(p, tokenizer, fmt) for p in prompts]
+        add_special = not fmt.uses_chat_template(tokenizer)
+        if not padding:
+            return tokenizer(texts, add_special_tokens=add_special)
+        return tokenizer(texts, padding=True, padding_side="left", return_tensors="pt", add_special_tokens=add_special)
+
+    def encode_junior_prompts(self, prompts: list[str]) -> dict:
+        """The prompts as the junior reads them: its tokenizer and its own prompt format."""
+        return self.encode_prompts(prompts, self.junior_tokenizer, fmt=self.settings.junior_prompt_format or self.settings.prompt_format)
+
+    def prompts_that_fit(self, rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+        """The rows whose formatted prompt fits ``max_prompt_tokens``, and how many were skipped."""
+        limit = self.settings.max_prompt_tokens
+        if limit is None:
+            return list(rows), 0
+        lengths = [len(ids) for ids in self.encode_prompts([row["prompt"] for row in rows], padding=False)["input_ids"]]
+        kept = [row for row, n in zip(rows, lengths) if n <= limit]
+        return kept, len(rows) - len(kept)
+
+    # ------------------------------------------------------------------------------ rollouts
+
+    def generate(
+        self, rows: list[dict[str, Any]], policy: HandoffPolicy, sampling: SamplingConfig, key: int,
+        row_ids: list[int] | None = None,
+    ) -> RolloutResult:
+        """Generate ``sampling.n`` rollouts per row and grade them. ``key`` fixes the seeds;
+        ``row_ids``, the rows' places in the whole batch when they are one rank's share of it.
+
+        The engine gets at most ``rollout.batch_size`` sequences per call (its KV caches are
+        sized for one call); seeds are those of the whole batch, so chunking changes nothing else.
+        """
+        seeds = sequence_seeds(sampling.seed, key, (max(row_ids) + 1 if row_ids else len(rows)) * sampling.n)
+        if row_ids:  # the seeds these rows get in one process
+            seeds = seeds.view(-1, sampling.n)[torch.tensor(row_ids)].reshape(-1)
+        per_call = max(1, (self.settings.batch_size or len(rows) * sampling.n) // sampling.n)
+        parts = []
+        for start in range(0, len(rows), per_call):
+            chunk = rows[start : start + per_call]
+            part = self._generate_chunk(chunk, policy, sampling, seeds[start * sampling.n : (start + len(chunk)) * sampling.n])
+            part.group += start
+            parts.append(part)
+        return parts[0] if len(parts) == 1 else concat_results(parts, self.ready_engine().pad_token_id)
+
+    def _generate_chunk(self, rows: list[dict[str, Any]], policy: HandoffPolicy, sampling: SamplingConfig, seeds: Tensor) -> RolloutResult:
+        prompts_text = [row["prompt"] for row in rows for _ in range(sampling.n)]
+        encoded = self.encode_prompts(prompts_text)
+        engine = self.ready_engine()
+        partner = None
+        if self.has_junior and (getattr(engine, "needs_partner_prompts", False) or self.settings.junior_prompt_format):
+            junior = self.encode_junior_prompts(prompts_text)
+            partner = PromptBatch(junior["input_ids"], junior["attention_mask"], seeds)
+        prompts = PromptBatch(encoded["input_ids"], encoded["attention_mask"], seeds, partner).to(self.device())
+        rollout = engine.generate(prompts, policy, sampling)
+        if hasattr(engine, "last_timing"):
+            for name, value in dict(engine.last_timing(), calls=1).items():
+                self.timing[name] = self.timing.get(name, 0.0) + value
+        self.check_authorship(rollout, policy)
+        columns = {name: [row[name] for row in rows for _ in range(sampling.n)] for name in rows[0] if name != "prompt"}
+        grades = self.verifier.grade_batch(rollout.texts, **columns)
+        group = torch.arange(len(rows)).repeat_interleave(sampling.n)
+        return RolloutResult(rollout, grades, group, columns)
+
+    def check_authorship(self, rollout: Rollout, policy: HandoffPolicy) -> None:
+        """Fail closed: a tandem batch must carry authorship that follows the policy's draws."""
+        if rollout.author is None:
+            raise AuthorshipError("the engine returned rollouts without an author tensor")
+        junior_tokens = int((rollout.author == Author.JUNIOR).sum())
+        if policy.only_author == Author.SENIOR and junior_tokens:
+            raise AuthorshipError(f"{policy!r} should give all-senior rollouts, but {junior_tokens} tokens are junior's")
+        if policy.only_author is not None:
+            return
+        draws, junior = int(rollout.decisions.sum()), int(rollout.junior_draws.sum())
+        if junior > 0 and junior_tokens == 0 and int(rollout.lengths.sum()) > draws:
+            raise AuthorshipError("the junior was drawn but wrote no token: authorship was lost on the way")
+        if draws >= 20 and 0 < policy.p < 1:
+            z = (junior - policy.p * draws) / math.sqrt(draws * policy.p * (1 - policy.p))
+            if abs(z) > self.settings.authorship_z:
+                raise AuthorshipError(
+                    f"the junior won {junior} of {draws} handoff draws with p={policy.p} (z={z:.1f}); "
+                    "the engine is not following the handoff policy"
+                )
+
+    def informative(self, pool: list[dict[str, Any]], policy: HandoffPolicy, key: int) -> tuple[RolloutResult | None, dict[str, float]]:
+        """Dynamic sampling: rollouts of up to ``prompts_per_step`` prompts whose rewards differ."""
+        settings = self.settings.dynamic_sampling
+        target, kept, dropped, rounds, start = settings.prompts_per_step, [], 0, 0, 0
+
+        def groups_kept() -> int:
+            return sum(len(part.group.unique()) for part in kept)
+
+        while groups_kept() < target and start < len(pool) and rounds < settings.max_rounds:
+            rows = pool[start : start + target - groups_kept()]
+            start += len(rows)
+            result = self.generate(rows, policy, self.settings.sampling, key * 16 + rounds)
+            rounds += 1
+            useful = result.groups_with_spread()
+            dropped += len(rows) - len(useful)
+            if useful:
+                kept.append(result.keep_groups(useful, offset=groups_kept()))
+        stats = {"sampling_rounds": float(rounds), "dropped_groups": float(dropped), "kept_groups": float(groups_kept())}
+        if kept:
+            return concat_results(kept, self.ready_engine().pad_token_id), stats
+        log.warning("dynamic sampling found no prompt with differing rewards in %d rounds: no update this step", rounds)
+        return None, stats

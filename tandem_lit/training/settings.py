@@ -1,0 +1,281 @@
+"""Settings of a TandemModule run, plain records chosen in YAML under ``model.init_args``: one
+group per phase of a step (``rollout``, ``update``, ``memory``, ``evaluation``, ``logging``) and
+the records inside them (prompt format, overlong handling, dynamic sampling)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from tandem_lit.errors import ConfigError, TandemLitError
+from tandem_lit.evaluation.language import LanguageShare
+from tandem_lit.evaluation.steps import EvalMode
+from tandem_lit.rollout.handoff import HandoffPolicy, ParagraphHandoff
+from tandem_lit.rollout.sampling import SamplingConfig
+
+
+@dataclass
+class PromptFormat:
+    """How a row's ``prompt`` becomes model input.
+
+    Args:
+        chat_template: Wrap the prompt as a user message with the tokenizer's chat template
+            (None: when the tokenizer has one).
+        system_prompt: Optional system message (chat template only).
+        enable_thinking: Passed to chat templates that have a thinking switch (Qwen3).
+        template: A format string around the row's prompt before the chat template, e.g.
+            ``"{prompt}\n\nRéponds en français."``; it must contain ``{prompt}`` (None: the prompt as is).
+    """
+
+    chat_template: bool | None = None
+    system_prompt: str | None = None
+    enable_thinking: bool | None = None
+    template: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.template is not None:
+            try:
+                self.template.format(prompt="")
+            except (KeyError, IndexError, ValueError) as err:
+                raise ConfigError(
+                    f"prompt_format.template {self.template!r} is not a format string over {{prompt}} only ({err!r}); "
+                    "write literal braces as {{ and }}"
+                ) from None
+            if "{prompt}" not in self.template:
+                raise ConfigError(f"prompt_format.template {self.template!r} must contain {{prompt}}, where the row's prompt goes")
+
+    def text(self, prompt: str) -> str:
+        return prompt if self.template is None else self.template.format(prompt=prompt)
+
+    def uses_chat_template(self, tokenizer) -> bool:
+        has_template = bool(getattr(tokenizer, "chat_template", None))
+        if self.chat_template and not has_template:
+            raise ConfigError("prompt_format.chat_template is true but a model's tokenizer has no chat template")
+        return has_template if self.chat_template is None else self.chat_template
+
+    def render(self, prompt: str, tokenizer) -> str:
+        """The model input for a row's prompt: the template, then the chat template around it
+        (a user message after the optional system message), or the text as is."""
+        prompt = self.text(prompt)
+        if not self.uses_chat_template(tokenizer):
+            return prompt
+        messages = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else []) + [
+            {"role": "user", "content": prompt}
+        ]
+        extra = {"enable_thinking": self.enable_thinking} if self.enable_thinking is not None else {}
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+
+
+class TrainingStalledError(TandemLitError, RuntimeError):
+    """Training cannot make progress with these settings."""
+
+
+@dataclass
+class OverlongPolicy:
+    """What a completion that ran out of tokens (truncated) contributes to training.
+
+    Args:
+        mode: ``keep`` (graded like any other), ``mask`` (left out of the loss and its normaliser,
+            DAPO's overlong filtering; it still counts in its group's reward statistics) or
+            ``penalty`` (its reward is replaced by ``penalty``).
+        penalty: The reward of a truncated completion in ``penalty`` mode.
+    """
+
+    mode: Literal["keep", "mask", "penalty"] = "keep"
+    penalty: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("keep", "mask", "penalty"):
+            raise ConfigError(f"overlong.mode must be 'keep', 'mask' or 'penalty', got {self.mode!r}")
+
+
+@dataclass
+class DynamicSampling:
+    """Train only on prompts whose rollouts disagree (DAPO's dynamic sampling).
+
+    A group whose rewards are all equal has zero GRPO advantage: it costs generation and teaches
+    nothing. Each step generates for ``prompts_per_step`` prompts, drops such groups, and refills
+    from the rest of the data batch (the batch is the pool: make it larger than
+    ``prompts_per_step``) for at most ``max_rounds`` rounds. Logged: kept and dropped groups and
+    rounds per step; a step with no informative group makes no update.
+
+    Args:
+        prompts_per_step: Groups to train on per step.
+        max_rounds: Generation rounds per step at most.
+    """
+
+    prompts_per_step: int
+    max_rounds: int = 3
+
+    def __post_init__(self) -> None:
+        if min(self.prompts_per_step, self.max_rounds) < 1:
+            raise ConfigError("dynamic_sampling.prompts_per_step and max_rounds must be >= 1")
+
+
+@dataclass
+class MemorySettings:
+    """How a step fits the GPU: rollouts and the update take turns with the big buffers.
+
+    Args:
+        release_rollout_caches: Free the engine's KV caches and captured graphs after each rollout
+            phase, so the update's activations can use that memory (re-allocated and re-captured
+            by the next rollout: ``train/rollout_setup_seconds``). Off: keep them (faster when
+            both phases fit side by side).
+        offload_optimizer: Move the optimizer state to pinned host memory during rollouts (the
+            32 GB of a 4B model's AdamW state make room for KV caches; ~1.3 s each way).
+        gradient_checkpointing: Recompute each decoder layer of the senior in the backward pass
+            instead of keeping its activations (about a third more update compute).
+        micro_batch_tokens: Bound each forward/backward pass by tokens (rows x padded length)
+            as well as by ``micro_batch_size`` rows; rows are grouped by length. None: rows only.
+        check: Before the first step, estimate the step's peak memory from the shapes and fail
+            with what does not fit (and which setting to change) instead of running out mid-run.
+    """
+
+    release_rollout_caches: bool = True
+    offload_optimizer: bool = False
+    gradient_checkpointing: bool = False
+    micro_batch_tokens: int | None = None
+    check: bool = True
+
+    def __post_init__(self) -> None:
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
+            raise ConfigError(f"memory.micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
+
+
+# ------------------------------------------------------------------------------------------------
+# TandemModule's settings, one group per phase of a step. Each group is one YAML key of the
+# module (``rollout:``, ``update:``, ``memory:``, ``evaluation:``, ``logging:``).
+
+
+@dataclass
+class RolloutSettings:
+    """How a step's rollouts are drawn.
+
+    Args:
+        sampling: Training rollouts (``n`` = rollouts per prompt, GRPO's group size).
+        batch_size: Sequences per engine call (None: all of a step's rollouts at once); bounds
+            the KV cache memory of generation.
+        max_prompt_tokens: Training skips prompts longer than this (after the chat template),
+            counted in ``train/skipped_long_prompts`` (verl's overlong-prompt filter). Evaluation
+            never skips. None: no limit.
+        dynamic_sampling: Drop prompt groups whose rewards all agree and refill (None: off).
+        prompt_format: Chat template use, system prompt and prompt template (the senior's; also
+            the junior's unless ``junior_prompt_format`` is set).
+        junior_prompt_format: The junior's own prompt (e.g. a system prompt telling it to answer in
+            French), while both models share the response tokens. None: the senior's.
+        authorship_z: Fail when the junior's share of handoff draws is further than this many
+            standard deviations from ``handoff.p`` (an engine that ignores the policy).
+    """
+
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=1.0, n=2))
+    batch_size: int | None = None
+    max_prompt_tokens: int | None = None
+    dynamic_sampling: DynamicSampling | None = None
+    prompt_format: PromptFormat = field(default_factory=PromptFormat)
+    junior_prompt_format: PromptFormat | None = None
+    authorship_z: float = 6.0
+
+    def __post_init__(self) -> None:
+        if self.batch_size is not None and self.batch_size < 1:
+            raise ConfigError(f"rollout.batch_size must be >= 1 sequence, got {self.batch_size}")
+
+
+@dataclass
+class UpdateSettings:
+    """How a step's rollouts update the senior.
+
+    Args:
+        mini_batch_size: Prompts per optimiser update (None: the whole step batch, one update).
+        micro_batch_size: Sequences per forward/backward pass (gradient accumulation).
+        max_grad_norm: Clip the gradient norm (None: no clipping).
+        overlong: What truncated completions contribute (keep, mask, penalty).
+        max_idle_steps: Stop with an error after this many consecutive training steps that could
+            make no update (dynamic sampling found no signal, or every prompt was too long):
+            such a run would otherwise never reach ``max_steps``.
+        allow_low_precision_weights: Train a full-weight senior held in bfloat16/float16. Off by
+            default: AdamW updates smaller than half a bf16 rounding step vanish (at lr 1e-6 most
+            do), so such a run silently barely trains. Use float32 weights (optionally with
+            ``trainer.precision: bf16-mixed``) or LoRA instead.
+    """
+
+    mini_batch_size: int | None = None
+    micro_batch_size: int = 16
+    max_grad_norm: float | None = 1.0
+    overlong: OverlongPolicy = field(default_factory=OverlongPolicy)
+    max_idle_steps: int = 20
+    allow_low_precision_weights: bool = False
+
+    def __post_init__(self) -> None:
+        if self.micro_batch_size < 1:
+            raise ConfigError(f"update.micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.mini_batch_size is not None and self.mini_batch_size < 1:
+            raise ConfigError(f"update.mini_batch_size must be >= 1 prompt, got {self.mini_batch_size}")
+
+
+
+@dataclass
+class EvaluationSettings:
+    """Validation (checkpoint selection) and ``tandem-lit test``.
+
+    Args:
+        sampling: Validation rollouts (None: greedy, one per prompt, the training token budget;
+            with ``n`` > 1 the validation also logs ``eval/<mode>_pass_at_<k>``).
+        modes: Validation runs each: ``senior`` alone, ``junior`` alone, ``tandem`` (with
+            ``handoff``). Metrics are logged as ``eval/<mode>_<metric>``. None: ``[senior]``
+            without a junior, else ``[senior, tandem, junior]``.
+        handoff: Handoff of the ``tandem`` eval mode (None: the training handoff). A no-handoff
+            control sets the tandem run's handoff here, so that both runs' tandem accuracy is
+            measured the same way.
+        at_start: Validate once before the first update (logged at step 0).
+        test_handoff: Handoff of ``tandem-lit test`` (None: paragraph level, p=0.5, the model
+            under test writes first, as in Tandem RLVR's evaluation).
+        test_sampling: Sampling of ``tandem-lit test`` (None: ``sampling``).
+        test_forced_token: ``tandem-lit test`` also forces one junior token into each solo
+            sample (where the two models' top tokens differ) and reports the change in success
+            (``forced_token_*``; tandem_lit/evaluation/forced_token.py).
+        pass_k: The k of the reported pass@k (those <= n).
+    """
+
+    sampling: SamplingConfig | None = None
+    modes: list[EvalMode] | None = None
+    handoff: HandoffPolicy | None = None
+    at_start: bool = True
+    test_handoff: HandoffPolicy | None = None
+    test_sampling: SamplingConfig | None = None
+    test_forced_token: bool = False
+    pass_k: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+
+    def resolved(self, training: SamplingConfig, handoff: HandoffPolicy, has_junior: bool) -> EvaluationSettings:
+        """These settings with every None filled from the training run's."""
+        sampling = self.sampling or SamplingConfig(temperature=0.0, max_new_tokens=training.max_new_tokens)
+        modes = list(self.modes) if self.modes is not None else (["senior", "tandem", "junior"] if has_junior else ["senior"])
+        unknown = set(modes) - {"senior", "junior", "tandem"}
+        if unknown:
+            raise ConfigError(f"evaluation.modes may hold 'senior', 'junior', 'tandem'; got {sorted(unknown)}")
+        if self.test_forced_token and not has_junior:
+            raise ConfigError("evaluation.test_forced_token needs a junior model (its token is the one forced): set `junior`")
+        return replace(
+            self, sampling=sampling, modes=modes, handoff=self.handoff or handoff,
+            test_handoff=self.test_handoff or ParagraphHandoff(p=0.5, first_author="senior"),
+            test_sampling=self.test_sampling or sampling, pass_k=sorted(set(self.pass_k)),
+        )
+
+
+@dataclass
+class LoggingSettings:
+    """What is measured and written besides the loss.
+
+    Args:
+        jargon_pattern: Regex whose match marks a solution as using jargon.
+        language: The language share of rollouts and evaluations (``LanguageShare``:
+            ``train/language_share``, ``train/senior_language_share``, ``eval/<mode>_language_share``;
+            docs/language.md). None: not measured.
+        completions_every_n_steps: Append sample completions, spans marked by author, to
+            ``completions.jsonl`` in the run folder every this many steps (0: never).
+        completions_per_log: How many completions each time.
+    """
+
+    jargon_pattern: str = r"<<[^<>\n]*>>"
+    language: LanguageShare | None = None
+    completions_every_n_steps: int = 10
+    completions_per_log: int = 4

@@ -1,0 +1,182 @@
+"""The update phase of a training step: graded rollouts in, optimiser updates of the senior out.
+
+    rewards (overlong policy applied) -> advantages (the objective's)
+    -> old log-probs (only when a step makes several updates) and reference log-probs (KL)
+    -> per PPO mini-batch: micro-batches (rows, and tokens) -> teacher-forced log-probs
+       -> objective loss -> backward; then clip, refuse a non-finite gradient, step
+
+The rollout-vs-train log-prob gap is measured on the way (``train/rollout_logp_gap_*``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from tandem_lit.errors import NonFiniteGradientError
+from tandem_lit.evaluation.metrics import LogprobGap
+from tandem_lit.evaluation.results import RolloutResult
+from tandem_lit.objectives.base import Objective, ObjectiveInputs
+from tandem_lit.rollout.logprobs import completion_logprobs
+from tandem_lit.rollout.record import Rollout
+from tandem_lit.rollout.sampling import SamplingConfig
+from tandem_lit.training.distributed import all_reduce_sum, balance, full_value, max_over_ranks
+from tandem_lit.training.memory import OptimizerOffload, pack_by_tokens
+from tandem_lit.training.settings import MemorySettings, UpdateSettings
+
+
+class UpdatePhase:
+    """Optimiser updates of the senior from one batch of graded rollouts.
+
+    ``senior`` is the trained model, ``reference`` the frozen initial copy for a KL term (None:
+    the senior with its LoRA adapters disabled), ``backward`` Lightning's ``manual_backward``.
+    """
+
+    def __init__(self, settings: UpdateSettings, memory: MemorySettings, objective: Objective, sampling: SamplingConfig):
+        self.settings = settings
+        self.memory = memory
+        self.objective = objective
+        self.sampling = sampling
+        self.offload = OptimizerOffload() if memory.offload_optimizer else None
+
+    def bind(self, senior: nn.Module, reference: nn.Module | None, backward: Callable[[Tensor], None]) -> None:
+        self.senior, self.reference, self.backward = senior, reference, backward
+
+    def run(self, result: RolloutResult, optimizer, device: torch.device, world: int = 1, step: int = 0) -> dict[str, float]:
+        """The objective and the optimiser updates (one per mini-batch) on one batch of graded
+        rollouts; returns the update's metrics. ``step``: the optimiser updates so far (for errors)."""
+        rollout, group = result.rollout, result.group.to(device)
+        rewards = result.rewards.to(device)
+        truncated = rollout.truncated.to(device)
+        overlong = self.settings.overlong
+        if overlong.mode == "penalty":
+            rewards = torch.where(truncated, overlong.penalty, rewards)
+        allowed = ~truncated if overlong.mode == "mask" else None
+        prompts = int(group.max()) + 1
+        # with W ranks each holds 1/W of every mini-batch (``rank_rows``)
+        per_update = self.settings.mini_batch_size // world if self.settings.mini_batch_size else prompts
+        updates = [torch.nonzero((group >= s) & (group < s + per_update)).squeeze(-1) for s in range(0, prompts, per_update)]
+        advantages = self.objective.advantages(rewards, group)
+        # the ratio's denominator comes from the training model: recomputed before the first of
+        # several updates; with one update it is the same forward's log-probs, detached
+        old_logp = self.behaviour_logprobs(rollout, device) if self.objective.uses_old_logp and len(updates) > 1 else None
+        ref_logp = self.reference_logprobs(rollout, device) if self.objective.uses_reference else None
+        gap = LogprobGap()
+        if old_logp is not None:
+            gap.add(old_logp, rollout.senior_logprobs, rollout.author)
+        totals: dict[str, float] = {}
+        for rows in updates:
+            mask = allowed[rows] if allowed is not None else None
+            scale = self.objective.loss_scale(rollout.author[rows], advantages[rows], self.sampling.max_new_tokens, mask)
+            micros = self.micro_batches(rollout, rows)
+            if world > 1:  # normalisers of the whole mini-batch; as many passes as the busiest rank
+                weight_sum, sequences = all_reduce_sum([scale.weight_sum, scale.sequences], device)
+                scale = dataclasses.replace(scale, weight_sum=weight_sum, sequences=int(sequences))
+                micros = balance(micros, max_over_ranks(len(micros), device))
+            optimizer.zero_grad(set_to_none=True)
+            for micro in micros:
+                part = rollout.select(micro).trimmed()
+                width = part.completion_ids.shape[1]
+                logp = self.sequence_logprobs(self.senior, part)
+                if old_logp is None:
+                    gap.add(logp, part.senior_logprobs, part.author)
+                inputs = ObjectiveInputs(
+                    logp=logp,
+                    author=part.author,
+                    rewards=rewards[micro],
+                    group=group[micro],
+                    old_logp=old_logp[micro, :width] if old_logp is not None else None,
+                    ref_logp=ref_logp[micro, :width] if ref_logp is not None else None,
+                    advantages=advantages[micro],
+                    mask=allowed[micro] if allowed is not None else None,
+                    rollout_logp=part.senior_logprobs,
+                )
+                loss, metrics = self.objective(inputs, scale)
+                self.backward(loss * world)  # FSDP averages gradients over ranks
+                # micro-batch losses add up to the update's loss; other metrics are row averages
+                totals["loss"] = totals.get("loss", 0.0) + metrics.pop("loss") / len(updates)
+                for name, value in metrics.items():
+                    totals[name] = totals.get(name, 0.0) + value * len(micro) / len(group)
+            totals["grad_norm"] = totals.get("grad_norm", 0.0) + self.clipped_norm(optimizer, step) / len(updates)
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)  # no gradient memory held through the next rollouts
+        totals["updates"] = float(len(updates))
+        totals.update(gap.metrics())
+        return totals
+
+    def clipped_norm(self, optimizer, step: int) -> float:
+        """Clip the gradient; a non-finite norm stops the run before it reaches the weights."""
+        params = [p for p in self.senior.parameters() if p.requires_grad]
+        norm = float(full_value(torch.nn.utils.clip_grad_norm_(params, self.settings.max_grad_norm or math.inf)))
+        if not math.isfinite(norm):
+            optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteGradientError(
+                f"the gradient norm is {norm} at step {step}: this update was not applied and the "
+                "run stops (resume from the last checkpoint). Look for "
+                "non-finite rewards or log-probs; lower the learning rate, set max_grad_norm, or train "
+                "with trainer.precision 32-true to see whether mixed precision causes it"
+            )
+        return norm
+
+    def micro_batches(self, rollout: Rollout, rows: Tensor) -> list[Tensor]:
+        """The rows of one update in forward/backward passes of at most ``micro_batch_size`` rows
+        and ``memory.micro_batch_tokens`` padded tokens (``memory.pack_by_tokens``). The gradient
+        is a sum over rows: grouping does not change it."""
+        size = self.settings.micro_batch_size
+        if self.memory.micro_batch_tokens is None:
+            return list(rows.split(size))
+        prompts, completions = rollout.prompt_mask.sum(-1)[rows].tolist(), rollout.lengths[rows].tolist()
+        packed = pack_by_tokens(prompts, completions, size, self.memory.micro_batch_tokens)
+        return [rows[torch.tensor(b, device=rows.device)] for b in packed]
+
+    # ------------------------------------------------------------------------------ log-probs
+
+    def sequence_logprobs(self, model: nn.Module, rollout: Rollout, temperature: float | None = None) -> Tensor:  # -> [N, T]
+        """Log-probs of the completion tokens under ``model`` (teacher-forced, one forward).
+
+        Logits are divided by the sampling temperature, as the sampler drew from that
+        distribution (the TRL / verl convention), so importance ratios compare like with like.
+        """
+        return completion_logprobs(model, rollout, self.sampling.temperature if temperature is None else temperature)
+
+    @torch.no_grad()
+    def behaviour_logprobs(self, rollout: Rollout, device: torch.device) -> Tensor:  # -> [N, T]
+        """Senior log-probs before any update of this step (the ratio's denominator)."""
+        return self.logprobs_by_rows(rollout, device, lambda part: self.sequence_logprobs(self.senior, part))
+
+    @torch.no_grad()
+    def reference_logprobs(self, rollout: Rollout, device: torch.device) -> Tensor:  # -> [N, T]
+        """Log-probs under the reference policy: the initial senior (LoRA disabled, or a frozen copy)."""
+        if self.reference is not None:
+            return self.logprobs_by_rows(rollout, device, lambda part: self.sequence_logprobs(self.reference, part))
+        with self.senior.disable_adapter():
+            return self.logprobs_by_rows(rollout, device, lambda part: self.sequence_logprobs(self.senior, part))
+
+    def logprobs_by_rows(self, rollout: Rollout, device: torch.device, logprobs: Callable[[Rollout], Tensor]) -> Tensor:  # -> [N, T]
+        """``logprobs`` over the whole batch in micro-batches, padding columns trimmed per pass."""
+        rows = torch.arange(rollout.completion_ids.shape[0], device=device)
+        out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=device)
+        for micro in self.micro_batches(rollout, rows):
+            part = logprobs(rollout.select(micro).trimmed())
+            out[micro, : part.shape[1]] = part.float()
+        return out
+
+    # ------------------------------------------------------------------------- optimizer state
+
+    def offload_optimizer_state(self, optimizer, device: torch.device) -> float:
+        """Optimizer state to the host for the rollouts (``memory.offload_optimizer``); seconds taken."""
+        started = time.perf_counter()
+        if self.offload is not None and device.type == "cuda":
+            self.offload.to_host(optimizer)
+        return time.perf_counter() - started
+
+    def restore_optimizer_state(self, optimizer) -> float:
+        started = time.perf_counter()
+        if self.offload is not None:
+            self.offload.to_device(optimizer)
+        return time.perf_counter() - started
