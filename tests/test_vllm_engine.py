@@ -315,12 +315,15 @@ def test_release_then_generate_decodes_the_current_weights(stand_in_vllm, tokeni
 gpu = pytest.mark.skipif(
     not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None, reason="needs a GPU and vLLM"
 )
+# vLLM's float32 attention (its Triton kernel) takes dot products in TF32: scores differ from the
+# transformers forward by ~1e-3 relative, so a greedy near-tie may break the other way
+NEAR_TIE = 2e-3
 
 
 @pytest.fixture(scope="module")
 def gpu_setup(tokenizer):
     """One real VLLMEngine for the module (vLLM holds one engine per process), float32 so that
-    greedy decoding can be compared token for token with the transformers forward."""
+    greedy decoding compares with the transformers forward."""
     senior = tiny_qwen3(len(tokenizer)).cuda()
     engine = VLLMEngine(rollout_dtype="float32", kv_cache_gib=2.0, max_model_len=512, enforce_eager=True, sleep_level=2)
     engine.setup(senior, None, tokenizer)
@@ -329,17 +332,46 @@ def gpu_setup(tokenizer):
     return senior, engine, reference
 
 
+def teacher_forced(senior, rollout, temperature: float = 1.0):  # -> [B, T] each token's log-prob, [B, T] the best
+    ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], dim=1)
+    mask = torch.cat([rollout.prompt_mask, rollout.completion_mask.long()], dim=1)
+    with torch.no_grad():
+        logits = senior(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0)).logits
+    width = rollout.completion_ids.shape[1]
+    logp = (logits[:, -width - 1 : -1].float() / temperature).log_softmax(-1)
+    return logp.gather(-1, rollout.completion_ids.unsqueeze(-1)).squeeze(-1), logp.max(-1).values
+
+
+def assert_greedy_of(senior, rollout):
+    """Every written token is the senior's argmax (up to a near-tie), with the senior's log-prob."""
+    chosen, best = teacher_forced(senior, rollout)
+    written = rollout.completion_mask
+    assert (chosen[written] >= best[written] - NEAR_TIE).all(), "vLLM wrote a token the senior does not rank first"
+    torch.testing.assert_close(rollout.senior_logprobs[written], chosen[written], atol=NEAR_TIE, rtol=1e-3)
+
+
+def assert_same_greedy(expected, got, senior):
+    """``got`` is vLLM's greedy rollout of ``senior``; equal to ``expected`` (another engine's) token
+    for token unless a near-tie broke the other way (then the rows part there, and are reported)."""
+    assert_greedy_of(senior, got)
+    if torch.equal(expected.completion_ids.cpu(), got.completion_ids.cpu()):
+        assert_same_rollouts(expected, got, logprob_atol=NEAR_TIE)
+    else:
+        same = (expected.completion_ids.cpu() == got.completion_ids.cpu()).all(-1).tolist()
+        print(f"rows equal to the other engine's: {same} (the others part at a near-tie)")
+
+
 @gpu
-def test_gpu_greedy_rollouts_equal_hf_and_fast_engine(gpu_setup, tokenizer):
+def test_gpu_greedy_rollouts_are_the_seniors_as_hf_and_fast_engine_decode_them(gpu_setup, tokenizer):
     from tandem_lit.rollout.static import FastEngine
 
     senior, engine, reference = gpu_setup
     prompts, greedy = prompt_batch(tokenizer, "cuda"), SamplingConfig(temperature=0.0, max_new_tokens=32)
     got = engine.generate(prompts, SoloHandoff(), greedy)
-    assert_same_rollouts(reference.generate(prompts, SoloHandoff(), greedy), got, logprob_atol=1e-3)
+    assert_same_greedy(reference.generate(prompts, SoloHandoff(), greedy), got, senior)
     fast = FastEngine(kernels="torch", rollout_dtype="float32")
     fast.setup(senior, None, tokenizer)
-    assert torch.equal(fast.generate(prompts, SoloHandoff(), greedy).completion_ids.cpu(), got.completion_ids.cpu())
+    assert_same_greedy(fast.generate(prompts, SoloHandoff(), greedy), got, senior)
     print("vllm timing", engine.last_timing())
 
 
@@ -348,20 +380,12 @@ def test_gpu_sampled_logprobs_are_the_seniors_at_the_temperature(gpu_setup, toke
     senior, engine, _ = gpu_setup
     prompts, sampling = prompt_batch(tokenizer, "cuda", seed=3), SamplingConfig(temperature=0.7, max_new_tokens=24)
     out = engine.generate(prompts, SoloHandoff(), sampling)
-    ids = torch.cat([out.prompt_ids, out.completion_ids], dim=1)
-    mask = torch.cat([out.prompt_mask, out.completion_mask.long()], dim=1)
-    with torch.no_grad():
-        logits = senior(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0)).logits
-    width = out.completion_ids.shape[1]
-    expected = (logits[:, -width - 1 : -1].float() / sampling.temperature).log_softmax(-1)
-    expected = expected.gather(-1, out.completion_ids.unsqueeze(-1)).squeeze(-1)
+    expected, _ = teacher_forced(senior, out, sampling.temperature)
     written = out.completion_mask
-    torch.testing.assert_close(out.senior_logprobs[written], expected[written], atol=2e-3, rtol=1e-3)
+    torch.testing.assert_close(out.senior_logprobs[written], expected[written], atol=NEAR_TIE, rtol=1e-3)
     # a seed gives its rollout whatever the batch around it
-    reordered = prompt_batch(tokenizer, "cuda", seed=3)
-    reordered = PromptBatch(reordered.input_ids.flip(0), reordered.attention_mask.flip(0), reordered.seeds.flip(0)).to("cuda")
-    again = engine.generate(reordered, SoloHandoff(), sampling)
-    assert again.texts == out.texts[::-1]
+    reordered = PromptBatch(prompts.input_ids.flip(0), prompts.attention_mask.flip(0), prompts.seeds.flip(0))
+    assert engine.generate(reordered, SoloHandoff(), sampling).texts == out.texts[::-1]
 
 
 @gpu
@@ -388,7 +412,7 @@ def test_gpu_release_frees_memory_and_new_weights_are_decoded(gpu_setup, tokeniz
         freed = torch.cuda.mem_get_info()[0] - free_awake
         print(f"sleep level {level}: freed {freed / 2**30:.2f} GiB")
         assert freed > 1.5 * 2**30  # at least most of the 2 GiB KV cache
-        assert_same_rollouts(before, engine.generate(prompts, SoloHandoff(), greedy), logprob_atol=1e-3)
+        assert_same_rollouts(before, engine.generate(prompts, SoloHandoff(), greedy), logprob_atol=1e-5)
     engine.release()
     with torch.no_grad():
         for param in senior.parameters():
@@ -396,6 +420,6 @@ def test_gpu_release_frees_memory_and_new_weights_are_decoded(gpu_setup, tokeniz
     engine.load_weights(rollout_named_tensors(senior))
     after = engine.generate(prompts, SoloHandoff(), greedy)
     assert not torch.equal(before.completion_ids, after.completion_ids), "the update should change greedy output"
-    assert_same_rollouts(reference.generate(prompts, SoloHandoff(), greedy), after, logprob_atol=1e-3)
+    assert_same_greedy(reference.generate(prompts, SoloHandoff(), greedy), after, senior)
     engine.load_weights(rollout_named_tensors(senior))  # awake this time: the prefix cache is reset
-    assert_same_rollouts(after, engine.generate(prompts, SoloHandoff(), greedy), logprob_atol=1e-3)
+    assert_same_rollouts(after, engine.generate(prompts, SoloHandoff(), greedy), logprob_atol=1e-5)

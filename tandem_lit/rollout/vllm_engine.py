@@ -335,7 +335,11 @@ class VLLMEngine(RolloutEngine):
             kwargs["distributed_executor_backend"] = "external_launcher"
             os.environ.setdefault("RANK", str(torch.distributed.get_rank()))
             os.environ.setdefault("LOCAL_RANK", str(self.device.index or 0))
-        return self.vllm.LLM(**(kwargs | self.engine_kwargs))
+        precision = torch.get_float32_matmul_precision()
+        try:
+            return self.vllm.LLM(**(kwargs | self.engine_kwargs))
+        finally:  # vLLM's worker sets the process-wide float32 matmul precision: the training's stays
+            torch.set_float32_matmul_precision(precision)
 
 
 class _Checked:
