@@ -14,9 +14,10 @@ from tandem_lit.rollout.record import Author, PromptBatch, Rollout
 from tandem_lit.rollout.sampling import SamplingConfig
 from tandem_lit.rollout.static import FastEngine
 from tandem_lit.rollout.text_handoff import TextHandoffEngine
+from tandem_lit.rollout.vllm_engine import VLLMEngine  # imports vllm only when one is built
 
 __all__ = [
     "Author", "HFEngine", "HandoffPolicy", "LineHandoff", "ParagraphHandoff", "PromptBatch", "Rollout", "RolloutEngine",
     "SamplingConfig", "SentenceHandoff", "SoloHandoff", "TextHandoffEngine", "TokenHandoff", "TokenizerMismatchError",
-    "WordHandoff", "FastEngine",
+    "WordHandoff", "FastEngine", "VLLMEngine",
 ]
