@@ -22,13 +22,13 @@ import torch
 from torch import nn
 
 from tandem_lit.errors import ConfigError, MissingDependencyError
+from tandem_lit.models.tiny import char_tokenizer
 from tandem_lit.rollout.engine import HFEngine
 from tandem_lit.rollout.handoff import SoloHandoff, TokenHandoff, WordHandoff
 from tandem_lit.rollout.record import Author, PromptBatch
 from tandem_lit.rollout.sampling import SamplingConfig, sequence_seeds
 from tandem_lit.rollout.vllm_engine import VLLMEngine, check_policy
 from tandem_lit.rollout.weights import WeightSyncError, rollout_named_tensors
-from tandem_lit.tiny import char_tokenizer
 
 PROMPTS = ["Q: 2+3?\nA:", "Hi", "The quick brown fox jumps over", "1. a\n\n2."]
 CONFIG = "configs/rlvr/qwen3_4b_grpo_vllm.yaml"
@@ -123,7 +123,7 @@ def test_the_vllm_grpo_config_parses_with_the_engine(capsys):
     assert model["engine"]["class_path"].endswith(".VLLMEngine")
     assert {"sleep_level": 2, "kv_cache_gib": 64.0, "max_model_len": 4096}.items() <= model["engine"]["init_args"].items()
     assert model["handoff"] == {"class_path": "tandem_lit.rollout.SoloHandoff", "init_args": {"author": "senior"}}
-    assert model["eval_modes"] == ["senior"]
+    assert model["evaluation"]["modes"] == ["senior"]
 
 
 def test_the_vllm_grpo_config_is_the_grpo_config_with_the_engine_swapped(repo_root):
