@@ -213,7 +213,7 @@ class FastEngine(RolloutEngine):
         buf = self._batch
         senior = buf.logits["senior"][:batch] if decoder.needs_senior else None
         junior = buf.logits["junior"][:batch] if decoder.needs_junior else None
-        token = decoder.step(buf.t, senior, junior)
+        token = decoder.step(senior, junior)
         buf.slot.add_(1)
         for name, logits in (("senior", senior), ("junior", junior)):
             if logits is not None:
@@ -312,7 +312,7 @@ class FastEngine(RolloutEngine):
                 for t in range(sampling.max_new_tokens):
                     self._graph(key, decoder, batch, self._kv_len(width + t + 1))
             setup_seconds = time.perf_counter() - started
-            decoder.reset(prompts.seeds)
+            decoder.reset(prompts.seeds, prompts.budgets(sampling.max_new_tokens))
             buf.t.zero_()
             buf.slot.fill_(width - 1)
             for name in active:
@@ -336,7 +336,7 @@ class FastEngine(RolloutEngine):
                     break
             clock.mark()
         self._last_phases = (clock, steps, setup_seconds, width)
-        return decoder.finish(prompts.to(device), self.tokenizer, steps)
+        return decoder.finish(prompts.to(device), self.tokenizer)
 
     def last_timing(self) -> dict[str, float]:
         """Where the last ``generate`` spent its time: setup seconds (cache allocation and graph
