@@ -353,15 +353,17 @@ class FastEngine(RolloutEngine):
             self._admit(run, prompts, budgets, active)
             while True:
                 view = decoder.narrow(run.table.batch)
-                for _ in range(min(self.check_every, run.table.steps_left())):
-                    kv_len = self._kv_len(run.table.kv_needed())
+                steps = min(self.check_every, run.table.steps_left())
+                needed = run.table.kv_needed()  # host bookkeeping once per chunk, not per step
+                for i in range(steps):
+                    kv_len = self._kv_len(needed + i)
                     if use_graphs:
                         self._graph(key, view, kv_len).replay()
                     else:
                         self._step(view, kv_len)
-                    run.table.advance(1)
-                    run.steps += 1
-                    run.slot_steps += run.table.batch
+                run.table.advance(steps)
+                run.steps += steps
+                run.slot_steps += steps * run.table.batch
                 finished = decoder.state.finished[: run.table.batch].tolist()  # the host sync
                 slots, sequences = run.table.retire(finished)
                 if slots:
