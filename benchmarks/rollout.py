@@ -13,6 +13,20 @@ Qwen3.5's hybrid attention (Gated DeltaNet + full attention), 9B / 2B shapes:
 
     python benchmarks/rollout.py --device cuda --models qwen35-9b-2b --batches 16 64 --new-tokens 256
 
+Long-tailed response lengths (what RL rollouts look like; random weights never end, so each
+sequence gets a budget from one seeded lognormal draw shared by every engine): ``--queue`` x
+batch sequences per call, at most ``batch`` decoding at once; the static path runs them in
+chunks of ``batch``, each to its longest sequence, the continuous path as one queue. Reports
+useful tokens/s (sum of budgets / wall time) and ``continuous_over_static``:
+
+    python benchmarks/rollout.py --device cuda --batches 64 --lengths lognormal:median=1000,sigma=0.8,cap=3000
+    python benchmarks/rollout.py --device cpu --tiny --lengths lognormal
+
+``--vllm`` adds vLLM (solo senior; ``tandem_lit.rollout.vllm_engine.VLLMEngine``), each engine in its
+own subprocess (vLLM holds GPU memory), and prints ``fast_over_vllm``:
+
+    python benchmarks/rollout.py --device cuda --batches 64 --lengths lognormal --vllm
+
 Every row is measured in the same run; ratios compare rows of that run only. The roofline is
 the bytes one decode step must read (both models' weights + the KV cache at the mean length)
 divided by the copy bandwidth measured in the same run; for hybrid models also the
@@ -23,7 +37,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 
@@ -197,6 +215,159 @@ def time_hf_generate(model, prompts, sampling, device, repeats: int) -> float:
     return statistics.median(times)
 
 
+def parse_lengths(spec: str, tiny: bool) -> dict | None:
+    """``fixed`` -> None; ``lognormal[:median=M,sigma=S,cap=C]`` -> its parameters (tiny models:
+    defaults scaled to a CPU-sized run)."""
+    if spec == "fixed":
+        return None
+    kind, _, rest = spec.partition(":")
+    if kind != "lognormal":
+        raise SystemExit(f"--lengths must be 'fixed' or 'lognormal[:median=..,sigma=..,cap=..]', got {spec!r}")
+    params = {"median": 24.0, "sigma": 0.8, "cap": 64.0} if tiny else {"median": 1000.0, "sigma": 0.8, "cap": 3000.0}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        if key not in params:
+            raise SystemExit(f"unknown --lengths parameter {key!r} (median, sigma, cap)")
+        params[key] = float(value)
+    params["cap"] = int(params["cap"])
+    return params
+
+
+def draw_budgets(params: dict, count: int, seed: int) -> torch.Tensor:
+    """One seeded lognormal draw of per-sequence token budgets in [1, cap]: the same for every engine."""
+    generator = torch.Generator().manual_seed(seed)
+    normal = torch.randn(count, generator=generator, dtype=torch.float64)
+    lengths = torch.exp(math.log(params["median"]) + params["sigma"] * normal).round()
+    return lengths.clamp(1, params["cap"]).long()
+
+
+def timed(generate, prompts, device, repeats: int):
+    generate(prompts)  # warm-up: graph capture, allocator growth, lazy init
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        out = generate(prompts)
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), out
+
+
+def useful_rows(args, part: str) -> list[dict]:
+    """The long-tailed comparison's rows for ``part`` (fast: static and continuous FastEngine;
+    vllm: vLLM), one dict per row."""
+    device = args.device
+    if args.tiny:
+        shapes, vocab, dtype = (TINY_SENIOR, TINY_JUNIOR), 512, torch.float32
+        batches, prompt_len, repeats = args.batches or [8], args.prompt or 32, args.repeats or 3
+        torch.set_num_threads(1)  # tiny matrices: threads only add contention noise on a shared CPU
+    else:
+        shapes, vocab, dtype = (QWEN3_4B, QWEN3_1_7B), 151936, torch.bfloat16
+        batches, prompt_len, repeats = args.batches or [64], args.prompt or 128, args.repeats or 1
+        if args.models == "qwen35-9b-2b":
+            shapes, vocab = (QWEN35_9B, QWEN35_2B), 248320
+    params = parse_lengths(args.lengths, args.tiny) or {"cap": (args.new_tokens or [64 if args.tiny else 1024])[0]}
+    cap = params["cap"]
+    tokenizer = synthetic_tokenizer(vocab)
+    build = build_qwen35 if args.models == "qwen35-9b-2b" and not args.tiny else build_qwen3
+    senior = build(shapes[0], vocab, dtype, device, seed=0)
+    junior = build(shapes[1], vocab, dtype, device, seed=1) if part == "fast" else None
+    sampling = SamplingConfig(temperature=args.temperature, max_new_tokens=cap, ignore_eos=True)
+    if part == "vllm":
+        from tandem_lit.rollout.vllm_engine import VLLMEngine
+
+        engine = VLLMEngine(**json.loads(args.vllm_kwargs))
+    else:
+        engine = FastEngine()
+    engine.setup(senior, junior, tokenizer)
+    rows = []
+    for batch in batches:
+        sequences = batch * args.queue
+        budgets = draw_budgets(params, sequences, args.length_seed) if "median" in params else torch.full((sequences,), cap)
+        ids = torch.randint(4, vocab, (sequences, prompt_len), generator=torch.Generator().manual_seed(batch))
+        prompts = PromptBatch(ids, torch.ones_like(ids), sequence_seeds(0, 0, sequences), None, budgets).to(device)
+        useful = int(budgets.sum())
+
+        def row(name, seconds, out, timing=None, batch=batch, sequences=sequences, useful=useful, budgets=budgets):
+            assert out.lengths.cpu().tolist() == budgets.tolist(), "every sequence must run exactly its budget"
+            return {"name": name, "batch": batch, "sequences": sequences, "useful_tokens": useful, "seconds": seconds,
+                    "useful_tokens_per_second": useful / seconds, **(timing or {})}
+
+        if part == "vllm":
+            seconds, out = timed(lambda p: engine.generate(p, SoloHandoff("senior"), sampling), prompts, device, repeats)
+            rows.append(row("vLLM, solo", seconds, out))
+            continue
+
+        for policy_name, policy in (("solo", SoloHandoff()), ("tandem", WordHandoff(0.5))):
+            # static: calls of `batch` rows, each runs until its longest sequence ends (the cost of
+            # a static batch); the useful tokens are the same budgets
+            engine.max_batch = None
+
+            def static(p, policy=policy, batch=batch):
+                outs = []
+                for start in range(0, p.batch_size, batch):
+                    chunk = p.select(list(range(start, min(start + batch, p.batch_size))))
+                    longest = chunk.max_new_tokens.max().expand_as(chunk.max_new_tokens)
+                    chunk = PromptBatch(chunk.input_ids, chunk.attention_mask, chunk.seeds, None, longest)
+                    outs.append(engine.generate(chunk, policy, sampling))
+                return outs
+
+            seconds, outs = timed(static, prompts, device, repeats)
+            rows.append({"name": f"FastEngine static, {policy_name}", "batch": batch, "sequences": sequences,
+                         "useful_tokens": useful, "seconds": seconds, "useful_tokens_per_second": useful / seconds,
+                         "steps": sum(int(o.lengths.max()) for o in outs)})
+            engine.max_batch = batch
+            seconds, out = timed(lambda p, policy=policy: engine.generate(p, policy, sampling), prompts, device, repeats)
+            rows.append(row(f"FastEngine continuous, {policy_name}", seconds, out, engine.last_timing()))
+        engine.release()  # the next batch size sizes its own caches
+    return rows
+
+
+def print_useful(rows: list[dict]) -> None:
+    print(f"{'batch':>5} {'seqs':>5} {'row':<32} {'useful tok':>10} {'seconds':>8} {'useful tok/s':>12} "
+          f"{'busy':>6} {'refills':>7} {'compact':>7}")
+    for r in rows:
+        busy = f"{r['busy_slot_fraction']:>6.1%}" if "busy_slot_fraction" in r else f"{'':>6}"
+        counts = f"{r['refills']:>7} {r['compactions']:>7}" if "refills" in r else ""
+        print(f"{r['batch']:>5} {r['sequences']:>5} {r['name']:<32} {r['useful_tokens']:>10} {r['seconds']:>8.2f} "
+              f"{r['useful_tokens_per_second']:>12.0f} {busy} {counts}")
+
+
+def useful_main(args) -> None:
+    params = parse_lengths(args.lengths, args.tiny)
+    print(f"# device={args.device} lengths={args.lengths} {params or ''} queue={args.queue}x batch, "
+          f"length seed {args.length_seed}")
+    if args.vllm and args.only is None:
+        rows = []
+        for part in ("fast", "vllm"):  # one process each: vLLM holds GPU memory for its life
+            done = subprocess.run([sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--only", part],
+                                  capture_output=True, text=True)
+            if done.returncode != 0:
+                print(done.stdout + done.stderr[-4000:], file=sys.stderr)
+                raise SystemExit(f"the {part} subprocess failed")
+            result = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+            rows.extend(json.loads(result[-1][len("RESULT "):]))
+    else:
+        rows = useful_rows(args, args.only or "fast")
+        if args.only is not None:
+            print("RESULT " + json.dumps(rows))
+            return
+    print_useful(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": args.device, "lengths": args.lengths, "rows": rows}, f, indent=2)
+
+    def rate(name: str, batch: int) -> float:
+        return next(r["useful_tokens_per_second"] for r in rows if r["name"] == name and r["batch"] == batch)
+
+    batch = rows[0]["batch"]
+    line = (f"continuous_over_static={rate('FastEngine continuous, tandem', batch) / rate('FastEngine static, tandem', batch):.2f} "
+            f"continuous_over_static_solo={rate('FastEngine continuous, solo', batch) / rate('FastEngine static, solo', batch):.2f}")
+    if args.vllm:
+        line += f" fast_over_vllm={rate('FastEngine continuous, solo', batch) / rate('vLLM, solo', batch):.2f}"
+    print(line)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -214,7 +385,18 @@ def main() -> None:
     parser.add_argument("--compare-overlap", action="store_true",
                         help="also time tandem with the junior forward on the main stream (FastEngine(overlap_junior=False)) "
                              "and check both give the same rollouts")
+    parser.add_argument("--lengths", default="fixed",
+                        help="fixed (every sequence runs --new-tokens), or lognormal[:median=1000,sigma=0.8,cap=3000]: "
+                             "per-sequence budgets, static vs continuous batching, useful tokens/s")
+    parser.add_argument("--queue", type=int, default=4, help="with --lengths/--vllm: sequences per call = queue x batch")
+    parser.add_argument("--length-seed", type=int, default=0, help="seed of the budget draw (shared by every engine)")
+    parser.add_argument("--vllm", action="store_true", help="also measure vLLM (solo), each engine in its own process")
+    parser.add_argument("--vllm-kwargs", default="{}", help="JSON keyword arguments of VLLMEngine(...)")
+    parser.add_argument("--only", choices=["fast", "vllm"], default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.lengths != "fixed" or args.vllm:
+        useful_main(args)
+        return
 
     device = args.device
     if args.tiny:

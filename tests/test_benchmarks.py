@@ -43,3 +43,18 @@ def test_activation_bytes_counts_what_each_layer_type_saves(repo_root, monkeypat
         # per token, a layer's saved tensors stay about the same as the sequence grows (no T^2 term saved)
         assert 0.5 < long[kind] / short[kind] < 1.5
     assert long["estimate"] == short["estimate"] > 0
+
+
+def test_rollout_benchmark_long_tailed_lengths_tiny(repo_root):
+    """Static vs continuous batching on lognormal budgets: both rows run every sequence to exactly
+    its budget (the script asserts it) and the ratio line is printed."""
+    run = subprocess.run(
+        [sys.executable, "benchmarks/rollout.py", "--device", "cpu", "--tiny", "--batches", "2", "--queue", "2",
+         "--repeats", "1", "--lengths", "lognormal:median=4,sigma=0.8,cap=8"],
+        cwd=repo_root, capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    last = run.stdout.strip().splitlines()[-1]
+    assert last.startswith("continuous_over_static=") and " continuous_over_static_solo=" in last
+    assert float(last.split()[0].split("=")[1]) > 0
+    assert "FastEngine continuous, tandem" in run.stdout and "FastEngine static, tandem" in run.stdout

@@ -96,10 +96,10 @@ def decode_steps(
     decoder.reset(seeds)
     gen = torch.Generator().manual_seed(logit_seed)
     bias = bias if bias is not None else torch.zeros(len(vocab.texts))
-    for t in range(steps):
+    for _ in range(steps):
         senior = torch.randn(seeds.shape[0], len(vocab.texts), generator=gen) * 2 + bias
         junior = torch.randn(seeds.shape[0], len(vocab.texts), generator=gen) * 2 + bias
-        decoder.step(t, senior, junior)
+        decoder.step(senior, junior)
         if decoder.all_finished():
             break
     return decoder
@@ -225,7 +225,7 @@ def test_switches_only_at_boundaries_and_words_stay_whole(
             assert authors == sorted(authors)
             if first_author != "senior":
                 assert set(authors) == {JUNIOR}
-        assert bool(state.finished[b]) == (ids[-1] == vocab.eos)
+        assert bool(state.ended[b]) == (ids[-1] == vocab.eos)
 
 
 @pytest.mark.parametrize("unit", sorted(POLICIES))
@@ -293,8 +293,8 @@ def test_seed_fixes_a_row_whatever_its_batch():
     part = TandemDecoder(policy, vocab.classes, sampling, 3, [vocab.eos], vocab.pad)
     part.reset(seeds[[5, 1, 2]])
     for t in range(32):
-        full.step(t, logits[t, :, 0], logits[t, :, 1])
-        part.step(t, logits[t, [5, 1, 2], 0], logits[t, [5, 1, 2], 1])
+        full.step(logits[t, :, 0], logits[t, :, 1])
+        part.step(logits[t, [5, 1, 2], 0], logits[t, [5, 1, 2], 1])
     assert torch.equal(full.tokens[[5, 1, 2]], part.tokens)
     assert torch.equal(full.authors[[5, 1, 2]], part.authors)
 
@@ -322,8 +322,8 @@ def test_solo_policies_write_alone_and_need_one_model():
     decoder.reset(torch.arange(4))
     assert decoder.needs_junior and not decoder.needs_senior
     gen = torch.Generator().manual_seed(0)
-    for t in range(16):
-        decoder.step(t, None, torch.randn(4, len(vocab.texts), generator=gen))
+    for _ in range(16):
+        decoder.step(None, torch.randn(4, len(vocab.texts), generator=gen))
     assert set(decoder.authors[decoder.authors != PAD].tolist()) == {JUNIOR}
 
 
@@ -388,7 +388,7 @@ def test_max_span_does_not_split_words_when_boundaries_come_in_time():
     for t in range(steps):
         logits = torch.zeros(16, len(vocab.texts))
         logits[:, pattern[t % 3]] = 10.0
-        decoder.step(t, logits, logits.clone())
+        decoder.step(logits, logits.clone())
     for ids, authors in rows(decoder):
         check_rollout("word", vocab, ids, authors)
 
@@ -462,7 +462,7 @@ def test_sentence_switch_at_a_line_break_does_not_start_with_a_space():
         junior = torch.zeros(4, len(vocab.texts))
         junior[:, vocab.ids[" "]] = 10.0
         junior[:, vocab.ids["\n"]] = 5.0
-        decoder.step(t, senior, junior)
+        decoder.step(senior, junior)
     for ids, authors in rows(decoder):
         check_rollout("sentence", vocab, ids, authors)
         assert authors[:2] == [SENIOR, SENIOR] and authors[2] == JUNIOR

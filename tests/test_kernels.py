@@ -40,7 +40,7 @@ CHECK = textwrap.dedent("""
         q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)  # strided views, as from the fused projection
         qn, kn = torch.randn(D), torch.randn(D)
         cos, sin = torch.randn(S, D), torch.randn(S, D)
-        pos, slot = torch.tensor([3, 7, 11]), torch.tensor([9])
+        pos, slot = torch.tensor([3, 7, 11]), torch.tensor([9, 4, 13])  # each row its own slot
         kc, vc = torch.randn(B, KV, S, D), torch.randn(B, KV, S, D)
         valid = torch.rand(B, S) > 0.3  # padding slots are never attended
         kc_out, vc_out = kc.clone(), vc.clone()
@@ -50,11 +50,13 @@ CHECK = textwrap.dedent("""
         if has_norm:
             qh, kh = _rms_norm(qh, qn, 1e-6), _rms_norm(kh, kn, 1e-6)
         c, s = cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)
-        kc[:, :, 9], vc[:, :, 9] = kh * c + _rotate_half(kh) * s, v.reshape(B, KV, D)
-        torch.testing.assert_close(kc_out, kc)  # only the new token's slot is written
+        rows = torch.arange(B)
+        kc[rows, :, slot], vc[rows, :, slot] = kh * c + _rotate_half(kh) * s, v.reshape(B, KV, D)
+        torch.testing.assert_close(kc_out, kc)  # only each row's new-token slot is written
         torch.testing.assert_close(vc_out, vc)
         attend = valid.clone()
-        attend[:, 9], attend[:, 10:] = True, False  # the new token, never a later slot
+        attend[rows, slot] = True  # the new token, never a later slot
+        attend &= torch.arange(S) <= slot[:, None]
         scores = torch.einsum("bhd,bhsd->bhs", qh * c + _rotate_half(qh) * s, kc.repeat_interleave(H // KV, 1)) * 0.25
         probs = scores.masked_fill(~attend[:, None], float("-inf")).softmax(-1)
         expected = torch.einsum("bhs,bhsd->bhd", probs, vc.repeat_interleave(H // KV, 1)).reshape(B, -1)

@@ -8,7 +8,8 @@ same seed gives the same rollout in every engine and the step can be captured in
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
@@ -17,7 +18,7 @@ from tandem_lit.rollout.handoff import HandoffPolicy, TokenClasses
 from tandem_lit.rollout.record import Author, PromptBatch, Rollout
 from tandem_lit.rollout.sampling import SamplingConfig, sample_tokens, uniform
 
-# RNG streams: independent uniforms per (sequence, step)
+# RNG streams: independent uniforms per (sequence, the sequence's own step)
 _CANDIDATE, _HANDOFF, _SWITCH, _FIRST_AUTHOR = 0, 1, 2, 3
 
 
@@ -35,12 +36,21 @@ class DecodeState:
     decisions: Tensor  # long, author draws
     junior_draws: Tensor  # long, draws that picked the junior
 
+    def tensors(self) -> list[Tensor]:
+        return [getattr(self, f.name) for f in fields(self)]
+
 
 class TandemDecoder:
     """Chooses and records one token per sequence per step, given both models' logits.
 
+    Everything is per row: each row holds one sequence with its own seed, token budget and step
+    counter ``t`` (its RNG draws are keyed by (seed, t)), so a sequence's tokens depend on its
+    seed alone, never on its row, its neighbours or when it was admitted. That is what lets a
+    continuous-batching engine ``admit`` new sequences into rows freed mid-batch.
+
     All buffers are allocated once and updated in place, so a CUDA graph that captured ``step``
-    keeps reading and writing the same memory on every replay; ``reset`` loads a new batch.
+    keeps reading and writing the same memory on every replay; ``narrow`` views the first rows
+    (a smaller captured batch after compaction) over the same storage.
     """
 
     def __init__(
@@ -65,39 +75,69 @@ class TandemDecoder:
         self.pad_token_id = pad_token_id
         self.only_author = policy.only_author
         self.batch_size = batch_size
-        self.seeds = torch.zeros(batch_size, dtype=torch.long, device=device)
-        self.tokens = torch.full((batch_size, sampling.max_new_tokens), pad_token_id, dtype=torch.long, device=device)
-        self.authors = torch.zeros((batch_size, sampling.max_new_tokens), dtype=torch.int8, device=device)
-        self.logprobs = torch.zeros((batch_size, sampling.max_new_tokens), dtype=torch.float32, device=device)
         self.logprob_temperature = sampling.temperature if sampling.temperature > 0 else 1.0
 
         def zeros(dtype=torch.long) -> Tensor:
             return torch.zeros(batch_size, dtype=dtype, device=device)
 
+        self.seeds, self.budget, self.t = zeros(), zeros(), zeros()  # t: tokens this row's sequence wrote
+        # one scratch column past the longest budget: a stopped row keeps writing padding there
+        width = sampling.max_new_tokens + 1
+        self.tokens = torch.full((batch_size, width), pad_token_id, dtype=torch.long, device=device)
+        self.authors = torch.zeros((batch_size, width), dtype=torch.int8, device=device)
+        self.logprobs = torch.zeros((batch_size, width), dtype=torch.float32, device=device)
         self.state = DecodeState(
             author=zeros(), span_len=zeros(), carry=zeros(), finished=zeros(torch.bool), ended=zeros(torch.bool),
             spans=zeros(), handoffs=zeros(), decisions=zeros(), junior_draws=zeros(),
         )
+        self.state.finished.fill_(True)  # a row without a sequence is a finished one
 
-    def reset(self, seeds: Tensor) -> None:
-        """Start a new batch with these per-sequence seeds (draws the first span's author)."""
+    def per_row(self) -> list[Tensor]:
+        """Every per-row buffer (dim 0 = row): what moves with a sequence when rows are compacted."""
+        return [self.seeds, self.budget, self.t, self.tokens, self.authors, self.logprobs, *self.state.tensors()]
+
+    def narrow(self, rows: int) -> TandemDecoder:
+        """This decoder over its first ``rows`` rows only (views: same storage, same state)."""
+        view = copy.copy(self)
+        view.batch_size = rows
+        for name in ("seeds", "budget", "t", "tokens", "authors", "logprobs"):
+            setattr(view, name, getattr(self, name)[:rows])
+        view.state = DecodeState(*(x[:rows] for x in self.state.tensors()))
+        return view
+
+    def reset(self, seeds: Tensor, budgets: Tensor | None = None) -> None:
+        """Start a new batch with these per-sequence seeds and token budgets, one per row."""
+        rows = torch.arange(self.batch_size, device=self.seeds.device)
+        if budgets is None:
+            budgets = torch.full_like(rows, self.sampling.max_new_tokens)
+        self.admit(rows, seeds, budgets)
+
+    def admit(self, rows: Tensor, seeds: Tensor, budgets: Tensor) -> None:
+        """Start new sequences in ``rows`` (draws each first span's author). Every per-row buffer of
+        those rows is overwritten: nothing of a row's previous sequence survives."""
         s = self.state
-        self.seeds.copy_(seeds)
-        self.tokens.fill_(self.pad_token_id)
-        self.authors.zero_()
-        self.logprobs.zero_()
-        for buffer in (s.span_len, s.carry, s.finished, s.ended, s.handoffs):
-            buffer.zero_()
-        s.spans.fill_(1)
+        self.seeds.index_copy_(0, rows, seeds.to(self.seeds.device))
+        self.budget.index_copy_(0, rows, budgets.to(self.budget.device))
+        for buffer in (self.t, s.span_len, s.carry, s.finished, s.ended, s.handoffs):
+            buffer.index_fill_(0, rows, 0)
+        self.tokens.index_fill_(0, rows, self.pad_token_id)
+        self.authors.index_fill_(0, rows, 0)
+        self.logprobs.index_fill_(0, rows, 0.0)
+        s.spans.index_fill_(0, rows, 1)
         if self.policy.first_author == "draw":
-            junior = uniform(self.seeds, 0, _FIRST_AUTHOR) < self.policy.p
-            s.author.copy_(torch.where(junior, int(Author.JUNIOR), int(Author.SENIOR)))
-            s.decisions.fill_(1)
-            s.junior_draws.copy_(junior.long())
+            junior = uniform(self.seeds[rows], 0, _FIRST_AUTHOR) < self.policy.p
+            s.author.index_copy_(0, rows, torch.where(junior, int(Author.JUNIOR), int(Author.SENIOR)))
+            s.decisions.index_fill_(0, rows, 1)
+            s.junior_draws.index_copy_(0, rows, junior.long())
         else:
-            s.author.fill_(int(Author.JUNIOR if self.policy.first_author == "junior" else Author.SENIOR))
-            s.decisions.zero_()
-            s.junior_draws.zero_()
+            s.author.index_fill_(0, rows, int(Author.JUNIOR if self.policy.first_author == "junior" else Author.SENIOR))
+            s.decisions.index_fill_(0, rows, 0)
+            s.junior_draws.index_fill_(0, rows, 0)
+
+    def vacate(self) -> None:
+        """Mark every row empty (finished), before sequences are admitted into some of them."""
+        self.state.finished.fill_(True)
+        self.state.ended.fill_(False)
 
     @property
     def needs_senior(self) -> bool:
@@ -131,13 +171,15 @@ class TandemDecoder:
             return kernels.token_logprobs(senior, token, self.logprob_temperature).unsqueeze(-1)
         return (senior.float() / self.logprob_temperature).log_softmax(-1).gather(-1, token.unsqueeze(-1))
 
-    def step(self, t: Tensor | int, senior_logits: Tensor | None, junior_logits: Tensor | None) -> Tensor:
-        """Append token ``t`` of every sequence and return it.  # logits [B, V'] -> [B] long
+    def step(self, senior_logits: Tensor | None, junior_logits: Tensor | None) -> Tensor:
+        """Append the next token of every live sequence and return it.  # logits [B, V'] -> [B] long
 
-        ``t`` may be a device tensor, so that the step can be replayed from a CUDA graph.
+        Pure tensor ops on the row buffers (no host sync), so the step can be replayed from a CUDA
+        graph. A row that reaches its budget stops, truncated.
         """
         s = self.state
         v = self.vocab_size
+        t = self.t
         senior = senior_logits[:, :v] if senior_logits is not None else None
         junior = junior_logits[:, :v] if junior_logits is not None else None
         candidate = self._draw(s.author, senior, junior, uniform(self.seeds, t, _CANDIDATE))
@@ -149,19 +191,21 @@ class TandemDecoder:
         live = ~s.finished
         token = torch.where(live, token, self.pad_token_id)
         code = torch.where(live, s.author, int(Author.PAD)).to(torch.int8)
-        index = torch.as_tensor(t, device=token.device).reshape(1)
-        self.tokens.index_copy_(1, index, token.unsqueeze(1))
-        self.authors.index_copy_(1, index, code.unsqueeze(1))
+        column = t.unsqueeze(1)  # a stopped row's t is at most its budget: the scratch column at worst
+        self.tokens.scatter_(1, column, token.unsqueeze(1))
+        self.authors.scatter_(1, column, code.unsqueeze(1))
         if senior is not None:
             logprob = self._senior_logprob(senior, token)
-            self.logprobs.index_copy_(1, index, torch.where(live.unsqueeze(-1), logprob, 0.0))
+            self.logprobs.scatter_(1, column, torch.where(live.unsqueeze(-1), logprob, 0.0))
         s.carry.copy_(self.rule.update(s.carry, token))
         if not self.sampling.ignore_eos:
-            s.ended.logical_or_(token.unsqueeze(-1).eq(self.eos).any(-1))
+            s.ended.logical_or_(token.unsqueeze(-1).eq(self.eos).any(-1) & live)
             s.finished.logical_or_(s.ended)
+        t.add_(live.long())
+        s.finished.logical_or_(t >= self.budget)  # the budget: stopped without an end token (truncated)
         return token
 
-    def _handoff(self, t, candidate: Tensor, senior: Tensor, junior: Tensor) -> Tensor:
+    def _handoff(self, t: Tensor, candidate: Tensor, senior: Tensor, junior: Tensor) -> Tensor:
         s = self.state
         boundary = self.rule.at_boundary(s.carry, candidate) & (s.span_len > 0)
         allowed = self.rule.start_allowed(s.carry)
@@ -188,25 +232,37 @@ class TandemDecoder:
     def all_finished(self) -> bool:
         return bool(self.state.finished.all())
 
-    def finish(self, prompts: PromptBatch, tokenizer, steps_taken: int) -> Rollout:
-        """Package the buffers as a Rollout (trimmed to the longest completion)."""
-        lengths = (self.authors[:, :steps_taken] != Author.PAD).sum(-1)
-        width = max(int(lengths.max().item()) if lengths.numel() else 0, 1)
-        tokens = self.tokens[:, :width]
-        authors = self.authors[:, :width]
-        rows = tokens.cpu().tolist()
-        texts = tokenizer.batch_decode([row[:n] for row, n in zip(rows, lengths.tolist())], skip_special_tokens=True)
+    def outputs(self) -> dict[str, Tensor]:
+        """What a finished row contributes to the Rollout (views of the row buffers, dim 0 = row)."""
         s = self.state
-        return Rollout(
-            prompt_ids=prompts.input_ids,
-            prompt_mask=prompts.attention_mask,
-            completion_ids=tokens.clone(),
-            author=authors.clone(),
-            finished=s.ended.clone(),
-            truncated=~s.ended,
-            handoffs=s.handoffs.clone(),
-            decisions=s.decisions.clone(),
-            junior_draws=s.junior_draws.clone(),
-            texts=texts,
-            senior_logprobs=self.logprobs[:, :width].clone() if self.needs_senior else None,
-        )
+        width = self.sampling.max_new_tokens
+        return {
+            "tokens": self.tokens[:, :width], "authors": self.authors[:, :width], "logprobs": self.logprobs[:, :width],
+            "ended": s.ended, "handoffs": s.handoffs, "decisions": s.decisions, "junior_draws": s.junior_draws,
+        }
+
+    def finish(self, prompts: PromptBatch, tokenizer) -> Rollout:
+        """Package the rows (one per prompt, in order) as a Rollout."""
+        return package_rollout(prompts, {k: v.clone() for k, v in self.outputs().items()}, tokenizer, self.needs_senior)
+
+
+def package_rollout(prompts: PromptBatch, out: dict[str, Tensor], tokenizer, has_logprobs: bool) -> Rollout:
+    """A Rollout from per-sequence ``TandemDecoder.outputs`` (trimmed to the longest completion)."""
+    lengths = (out["authors"] != Author.PAD).sum(-1)
+    width = max(int(lengths.max().item()) if lengths.numel() else 0, 1)
+    tokens = out["tokens"][:, :width]
+    rows = tokens.cpu().tolist()
+    texts = tokenizer.batch_decode([row[:n] for row, n in zip(rows, lengths.tolist())], skip_special_tokens=True)
+    return Rollout(
+        prompt_ids=prompts.input_ids,
+        prompt_mask=prompts.attention_mask,
+        completion_ids=tokens,
+        author=out["authors"][:, :width],
+        finished=out["ended"],
+        truncated=~out["ended"],
+        handoffs=out["handoffs"],
+        decisions=out["decisions"],
+        junior_draws=out["junior_draws"],
+        texts=texts,
+        senior_logprobs=out["logprobs"][:, :width] if has_logprobs else None,
+    )

@@ -160,7 +160,7 @@ class RolloutEngine(ABC):
             policy, self.token_classes(prompts.seeds.device), sampling, prompts.batch_size,
             self.eos_token_ids, self.pad_token_id,
         )
-        decoder.reset(prompts.seeds)
+        decoder.reset(prompts.seeds, prompts.budgets(sampling.max_new_tokens))
         return decoder
 
     def check_models(self, policy: HandoffPolicy) -> None:
@@ -212,14 +212,14 @@ class HFEngine(RolloutEngine):
         }
         with eval_mode(self.senior, self.junior):
             logits = {name: r.prefill(*inputs[name]) if r else None for name, r in runners.items()}
-            steps = 0
-            for t in range(sampling.max_new_tokens):
-                token = decoder.step(t, logits["senior"], logits["junior"])
+            longest = int(decoder.budget.max())
+            for t in range(longest):
+                token = decoder.step(logits["senior"], logits["junior"])
                 steps = t + 1
-                if steps == sampling.max_new_tokens or (steps % self.check_every == 0 and decoder.all_finished()):
+                if steps == longest or (steps % self.check_every == 0 and decoder.all_finished()):
                     break
                 logits = {name: r.step(token) if r else None for name, r in runners.items()}
-        return decoder.finish(prompts, self.tokenizer, steps)
+        return decoder.finish(prompts, self.tokenizer)
 
 
 def cache_kwarg(model: nn.Module) -> str:

@@ -32,6 +32,9 @@ class PromptBatch:
     seeds: Tensor  # [B] long, per-sequence RNG seed (sampling and handoff draws)
     # the same prompts encoded for the junior, when it has its own tokenizer (text-level handoff)
     partner: PromptBatch | None = None
+    # [B] long, each row's own token budget (None: sampling.max_new_tokens for every row). Real
+    # RL responses are long-tailed; benchmarks force such lengths on models that never end.
+    max_new_tokens: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.input_ids.shape != self.attention_mask.shape:
@@ -43,10 +46,26 @@ class PromptBatch:
             raise ValueError(f"seeds must have shape [{self.input_ids.shape[0]}], got {tuple(self.seeds.shape)}")
         if self.input_ids.shape[1] == 0 or bool((self.attention_mask.sum(-1) == 0).any()):
             raise ValueError("every prompt needs at least one token")
+        if self.max_new_tokens is not None and self.max_new_tokens.shape != self.seeds.shape:
+            raise ValueError(
+                f"max_new_tokens must have shape [{self.batch_size}], got {tuple(self.max_new_tokens.shape)}"
+            )
 
     @property
     def batch_size(self) -> int:
         return self.input_ids.shape[0]
+
+    def budgets(self, limit: int) -> Tensor:  # [B] long, on the seeds' device
+        """Each row's token budget; ``limit`` is ``sampling.max_new_tokens``, the most any row may have."""
+        if self.max_new_tokens is None:
+            return torch.full_like(self.seeds, limit)
+        budgets = self.max_new_tokens.to(device=self.seeds.device, dtype=torch.long)
+        if budgets.numel() and not (1 <= int(budgets.min()) and int(budgets.max()) <= limit):
+            raise ValueError(
+                f"PromptBatch.max_new_tokens must lie in 1..{limit} (sampling.max_new_tokens), "
+                f"got {int(budgets.min())}..{int(budgets.max())}"
+            )
+        return budgets
 
     def to(self, device: torch.device | str) -> PromptBatch:
         return replace(
@@ -55,6 +74,22 @@ class PromptBatch:
             attention_mask=self.attention_mask.to(device),
             seeds=self.seeds.to(device),
             partner=self.partner.to(device) if self.partner is not None else None,
+            max_new_tokens=self.max_new_tokens.to(device) if self.max_new_tokens is not None else None,
+        )
+
+    def select(self, index: Tensor | list[int]) -> PromptBatch:
+        """Some rows, in the order of ``index`` (the partner's and the budgets with them). Columns
+        that are padding in every picked row are dropped, so a group prefills at its own width."""
+        index = torch.as_tensor(index, dtype=torch.long, device=self.input_ids.device)
+        mask = self.attention_mask[index]
+        first = int(mask.bool().any(0).long().argmax()) if mask.numel() else 0
+        return PromptBatch(
+            input_ids=self.input_ids[index, first:],
+            attention_mask=mask[:, first:],
+            seeds=self.seeds[index.to(self.seeds.device)],
+            partner=self.partner.select(index) if self.partner is not None else None,
+            max_new_tokens=self.max_new_tokens[index.to(self.max_new_tokens.device)]
+            if self.max_new_tokens is not None else None,
         )
 
 

@@ -124,6 +124,7 @@ class TextHandoffEngine(RolloutEngine):
             Author.SENIOR: _Writer(self.senior, self.tokenizer, policy.compile(senior_classes), self.eos_token_ids, device),
             Author.JUNIOR: _Writer(self.junior, self.junior_tokenizer, policy.compile(junior_classes), self.junior_eos, device),
         }
+        budgets = prompts.budgets(sampling.max_new_tokens).tolist()
         rows = []
         with eval_mode(self.senior, self.junior):
             for b in range(prompts.batch_size):
@@ -131,10 +132,12 @@ class TextHandoffEngine(RolloutEngine):
                     Author.SENIOR: _unpadded(prompts.input_ids[b], prompts.attention_mask[b]),
                     Author.JUNIOR: _unpadded(prompts.partner.input_ids[b], prompts.partner.attention_mask[b]),
                 }
-                rows.append(self._one(writers, prompt_views, prompts.seeds[b : b + 1].to(device), policy, sampling))
+                rows.append(self._one(writers, prompt_views, prompts.seeds[b : b + 1].to(device), policy, sampling,
+                                     budgets[b]))
         return self._rollout(prompts, rows)
 
-    def _one(self, writers: dict, prompt_views: dict, seed: Tensor, policy: HandoffPolicy, sampling: SamplingConfig) -> _Row:
+    def _one(self, writers: dict, prompt_views: dict, seed: Tensor, policy: HandoffPolicy, sampling: SamplingConfig,
+             budget: int) -> _Row:
         row = _Row()
         for author, writer in writers.items():
             writer.start(prompt_views[author])
@@ -146,7 +149,7 @@ class TextHandoffEngine(RolloutEngine):
         span: list[int] = []  # tokens of the current span, in the active writer's vocabulary
         before: int | None = None  # the token before the span, in that vocabulary
         spans = 1
-        for t in range(sampling.max_new_tokens):
+        for t in range(budget):
             writer = writers[author]
             token = writer.sample(seed, t, _CANDIDATE, sampling)
             boundary = bool(span) and bool(writer.rule.at_boundary(writer.carry, torch.tensor([token], device=writer.device)))

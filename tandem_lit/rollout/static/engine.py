@@ -4,12 +4,21 @@ Decoding is memory-bandwidth bound: each step must read both models' weights and
 caches once. Everything else is overhead to remove: per-token Python, dynamic cache growth,
 kernel launch gaps, host syncs. So:
 
-- Prefill runs the models' own Hugging Face decoder stack once per batch (left-padded prompts of
-  any lengths); its keys/values are copied into preallocated static caches.
+- Continuous batching: the rows of one ``generate`` are a queue. At most ``max_batch`` decode at
+  once; every ``check_every`` steps the host reads the finished flags (end token, budget, span
+  limit), collects finished sequences and refills their slots from the queue; once it is empty,
+  the live rows are compacted into the next smaller captured batch size, so finished rows stop
+  costing (``scheduler.SlotTable``). Everything on the device is per row (cache slot, position,
+  valid mask, the decoder's step counter and RNG draws), so a sequence depends on its own seed
+  only, never on its slot, its neighbours or when it was admitted. ``max_batch=None`` is the
+  degenerate case: every row admitted at once, compaction only.
+- Prefill runs the models' own Hugging Face decoder stack over the admitted prompts (left-padded
+  among themselves); its keys/values (and Qwen3.5's linear-attention states) are copied into the
+  freed rows of preallocated static caches.
 - One decode step = senior forward + junior forward + sampling + handoff draw + author record +
   stop flags (the shared ``TandemDecoder``), written against static buffers and captured once as
-  a CUDA graph per (batch size, attention length bucket, sampling/handoff settings), then
-  replayed. The host looks at the finished flags every ``check_every`` steps only.
+  a CUDA graph per (ladder batch size, attention length bucket, sampling/handoff settings), all
+  in one memory pool, then replayed.
 - The decode forward is a small reimplementation of the Llama-family block (Llama, Mistral,
   Qwen2, Qwen3) that reads the parameters of the model it is given. In training that is the
   senior's rollout copy (bf16, LoRA merged; ``tandem_lit.rollout.weights``), refreshed through
@@ -34,13 +43,14 @@ import torch
 from torch import Tensor, nn
 
 from tandem_lit.errors import ConfigError
-from tandem_lit.rollout.decoder import TandemDecoder
+from tandem_lit.rollout.decoder import TandemDecoder, package_rollout
 from tandem_lit.rollout.engine import RolloutEngine, eval_mode, model_prompts
 from tandem_lit.rollout.handoff import HandoffPolicy
 from tandem_lit.rollout.record import PromptBatch, Rollout
 from tandem_lit.rollout.sampling import SamplingConfig
 from tandem_lit.rollout.static.hybrid import HYBRID_MODEL_TYPES, HybridDecoderModel
 from tandem_lit.rollout.static.plain import StaticDecoderModel
+from tandem_lit.rollout.static.scheduler import SlotTable
 from tandem_lit.rollout.weights import check_rollout_dtype
 
 
@@ -62,18 +72,24 @@ def check_architecture(config) -> None:
 
 
 class _Batch:
-    """Buffers shared by both models for one batch capacity: counters, masks, logits."""
+    """Buffers shared by both models for one batch capacity: per-row cache slots, positions,
+    masks, logits. Everything is per row (dim 0 = decode slot), so a row can be refilled with a
+    new sequence or moved by compaction without touching its neighbours."""
 
     def __init__(self, capacity: int, length: int, vocab: dict[str, int], device):
         self.capacity, self.length = capacity, length
-        self.t = torch.zeros(1, dtype=torch.long, device=device)  # decode step
-        self.slot = torch.zeros(1, dtype=torch.long, device=device)  # cache slot of the newest token
+        # each row's cache slot of its newest token: rows admitted at different steps, or with
+        # prompts of different widths, sit at different depths of their caches
+        self.slot = torch.zeros(capacity, dtype=torch.long, device=device)
         # per model: each may have its own prompt (own system prompt or template), so the same
         # response token sits at its own rotary position and the padding differs
         self.position = {name: torch.zeros(capacity, dtype=torch.long, device=device) for name in vocab}
         self.valid = {name: torch.zeros(capacity, length, dtype=torch.bool, device=device) for name in vocab}
         # float32: sampling and log-probs read them several times; convert once per step
         self.logits = {name: torch.zeros(capacity, vocab[name], dtype=torch.float32, device=device) for name in vocab}
+
+    def per_row(self) -> list[Tensor]:
+        return [self.slot, *self.position.values(), *self.valid.values(), *self.logits.values()]
 
 
 class _PhaseClock:
@@ -118,6 +134,10 @@ class FastEngine(RolloutEngine):
             concurrently with the senior's (same results; off: one stream, one after the other).
         rollout_dtype: Dtype of the senior's rollout copy (see ``RolloutEngine``; ``auto``: bf16 on
             a GPU, so a float32 or LoRA-wrapped senior decodes at bf16 speed).
+        max_batch: Sequences decoded at once (None: every row of a ``generate`` call). The rows of
+            a call are a queue: when sequences finish, their slots are refilled from it (one
+            batched prefill of both models); once it is empty, the live rows are compacted into
+            the next smaller captured batch size. KV caches are sized for ``max_batch`` rows.
     """
 
     def __init__(
@@ -129,9 +149,13 @@ class FastEngine(RolloutEngine):
         fuse_weights: bool = True,
         overlap_junior: bool = True,
         rollout_dtype: str = "auto",
+        max_batch: int | None = None,
     ):
         if kv_block < 1 or check_every < 1:
             raise ConfigError("kv_block and check_every must be >= 1")
+        if max_batch is not None and max_batch < 1:
+            raise ConfigError(f"max_batch must be >= 1 (or None: all rows at once), got {max_batch}")
+        self.max_batch = max_batch
         if kernels not in ("auto", "torch", "triton"):
             raise ConfigError(f"kernels must be 'auto', 'torch' or 'triton', got {kernels!r}")
         self.cuda_graphs = cuda_graphs
@@ -155,7 +179,7 @@ class FastEngine(RolloutEngine):
         self._pool = None
         self._weights_at_capture: dict[str, int] = {}
         self._side_stream: torch.cuda.Stream | None = None  # created on the first overlapped step
-        self._last_phases: tuple[_PhaseClock, int, float, int] | None = None
+        self._last_run: _Run | None = None
         device = self.models["senior"].device
         if self.kernels == "triton" and device.type != "cuda":
             raise ConfigError("FastEngine(kernels='triton') needs a CUDA device; use kernels: torch or auto")
@@ -196,33 +220,36 @@ class FastEngine(RolloutEngine):
         self._batch = _Batch(capacity, length, vocab, any_model.device)
         return self._batch
 
-    def _decoder(self, policy: HandoffPolicy, sampling: SamplingConfig, batch: int) -> tuple[tuple, TandemDecoder]:
-        key = (repr(policy), astuple(sampling), batch)
+    def _decoder(self, policy: HandoffPolicy, sampling: SamplingConfig, capacity: int) -> tuple[tuple, TandemDecoder]:
+        key = (repr(policy), astuple(sampling), capacity)
         if key not in self._decoders:
             device = self.models["senior"].device
             self._decoders[key] = TandemDecoder(
-                policy, self.token_classes(device), sampling, batch, self.eos_token_ids, self.pad_token_id,
+                policy, self.token_classes(device), sampling, capacity, self.eos_token_ids, self.pad_token_id,
                 fused_sampling=self.triton,
             )
         return key, self._decoders[key]
 
     # ------------------------------------------------------------------------------- decode
 
-    def _step(self, decoder: TandemDecoder, batch: int, kv_len: int) -> None:
-        """One decode step on the static buffers (the body a CUDA graph captures)."""
-        buf = self._batch
+    def _step(self, decoder: TandemDecoder, kv_len: int) -> None:
+        """One decode step of rows [0, decoder.batch_size) on the static buffers (the body a CUDA
+        graph captures, once per ladder size)."""
+        buf, batch = self._batch, decoder.batch_size
         senior = buf.logits["senior"][:batch] if decoder.needs_senior else None
         junior = buf.logits["junior"][:batch] if decoder.needs_junior else None
-        token = decoder.step(buf.t, senior, junior)
-        buf.slot.add_(1)
+        token = decoder.step(senior, junior)
+        slot = buf.slot[:batch]
+        # rows that stopped keep stepping until the host retires them: clamped, they stay in the cache
+        slot.add_(1).clamp_(max=buf.length - 1)
         for name, logits in (("senior", senior), ("junior", junior)):
             if logits is not None:
-                buf.position[name][:batch].add_(1)
-                buf.valid[name][:batch].index_fill_(1, buf.slot, True)
+                buf.position[name][:batch].add_(1).clamp_(max=buf.length - 1)
+                buf.valid[name][:batch].scatter_(1, slot.unsqueeze(1), True)
 
         def forward(name: str, out: Tensor) -> None:
             position = buf.position[name][:batch]
-            out.copy_(self.models[name].decode(token, position, buf.slot, buf.valid[name], kv_len, self.triton))
+            out.copy_(self.models[name].decode(token, position, slot, buf.valid[name], kv_len, self.triton))
 
         if senior is not None and junior is not None and self._overlap():
             # The two forwards are independent until the next step's sampling, and each alone
@@ -241,7 +268,6 @@ class FastEngine(RolloutEngine):
                 forward("senior", senior)
             if junior is not None:
                 forward("junior", junior)
-        buf.t.add_(1)
 
     def _overlap(self) -> bool:
         return self.overlap_junior and self.models["senior"].device.type == "cuda"
@@ -253,30 +279,31 @@ class FastEngine(RolloutEngine):
             self._side_stream = torch.cuda.Stream(device=self.models["senior"].device)
         return self._side_stream
 
-    def _graph(self, key: tuple, decoder: TandemDecoder, batch: int, kv_len: int) -> torch.cuda.CUDAGraph:
-        graph_key = (key, kv_len, self._overlap())
+    def _graph(self, key: tuple, decoder: TandemDecoder, kv_len: int) -> torch.cuda.CUDAGraph:
+        """The captured step for this batch size (one per ladder size, all in one memory pool)."""
+        graph_key = (key, decoder.batch_size, kv_len, self._overlap())
         if graph_key not in self._graphs:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             # warm up on a side stream (lazy cuBLAS/allocator init) with in-range counters;
-            # generate() resets every buffer after capture
+            # generate() admits every sequence afresh after capture
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):
                     self._zero_counters()
-                    self._step(decoder, batch, kv_len)
+                    self._step(decoder, kv_len)
             torch.cuda.current_stream().wait_stream(stream)
             self._zero_counters()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                self._step(decoder, batch, kv_len)
+                self._step(decoder, kv_len)
             self._graphs[graph_key] = graph
         return self._graphs[graph_key]
 
     def _zero_counters(self) -> None:
         buf = self._batch
-        for counter in (buf.t, buf.slot, *buf.position.values()):
+        for counter in (buf.slot, *buf.position.values()):
             counter.zero_()
 
     def _check_weights_in_place(self) -> None:
@@ -293,65 +320,149 @@ class FastEngine(RolloutEngine):
         self._pool = None
 
     def generate(self, prompts: PromptBatch, policy: HandoffPolicy, sampling: SamplingConfig) -> Rollout:
+        """Decode every row of ``prompts``, at most ``max_batch`` at a time (a queue, see the class)."""
         self.check_models(policy)
         device = self.models["senior"].device
-        inputs = model_prompts(prompts.to(device))
-        batch, width = inputs["senior"][0].shape
+        prompts = prompts.to(device)
+        budgets = prompts.budgets(sampling.max_new_tokens)
+        rows = prompts.batch_size
+        width = model_prompts(prompts)["senior"][0].shape[1]  # the widest prompt of any group
+        capacity = min(self.max_batch or rows, rows)
         use_graphs = self.cuda_graphs and device.type == "cuda"
         started = time.perf_counter()
-        buf = self._ensure_capacity(batch, width + sampling.max_new_tokens)
-        key, decoder = self._decoder(policy, sampling, batch)
+        buf = self._ensure_capacity(capacity, width + sampling.max_new_tokens)
+        key, decoder = self._decoder(policy, sampling, capacity)
+        run = _Run(decoder, SlotTable(list(range(rows)), capacity, budgets.tolist()), _PhaseClock(device))
+        run.width = width
         active = [name for name, needed in (("senior", decoder.needs_senior), ("junior", decoder.needs_junior)) if needed]
         # static caches hold the weights' dtype: decode in it, also inside a bf16-mixed training step
         no_autocast = torch.autocast(device_type=device.type, enabled=False)
         with eval_mode(*(self.models[name].model for name in active)), no_autocast:
             for name in active:
                 self.models[name].sync()
-            if use_graphs:
+            if use_graphs:  # captured before any sequence is admitted: warm-up steps scribble on the buffers
                 self._check_weights_in_place()
-                for t in range(sampling.max_new_tokens):
-                    self._graph(key, decoder, batch, self._kv_len(width + t + 1))
-            setup_seconds = time.perf_counter() - started
-            decoder.reset(prompts.seeds)
-            buf.t.zero_()
-            buf.slot.fill_(width - 1)
-            for name in active:
-                mask = inputs[name][1]
-                buf.position[name][:batch].copy_(mask.sum(-1) - 1)
-                buf.valid[name][:batch].zero_()
-                buf.valid[name][:batch, :width].copy_(mask.bool())
-            clock = _PhaseClock(device)
-            clock.mark()
-            for name in active:
-                buf.logits[name][:batch].copy_(self.models[name].prefill(*inputs[name]))
-            clock.mark()
-            steps = 0
-            for t in range(sampling.max_new_tokens):
-                if use_graphs:
-                    self._graph(key, decoder, batch, self._kv_len(width + t + 1)).replay()
-                else:
-                    self._step(decoder, batch, width + t + 1)
-                steps = t + 1
-                if steps % self.check_every == 0 and decoder.all_finished():
+                for size in run.table.ladder:
+                    for kv_len in sorted({self._kv_len(n) for n in range(1, buf.length + 1)}):
+                        self._graph(key, decoder.narrow(size), kv_len)
+            run.setup_s = time.perf_counter() - started
+            decoder.vacate()
+            results = {name: torch.zeros((rows, *x.shape[1:]), dtype=x.dtype, device=device)
+                       for name, x in decoder.outputs().items()}
+            run.clock.mark()
+            self._admit(run, prompts, budgets, active)
+            while True:
+                view = decoder.narrow(run.table.batch)
+                steps = min(self.check_every, run.table.steps_left())
+                needed = run.table.kv_needed()  # host bookkeeping once per chunk, not per step
+                for i in range(steps):
+                    kv_len = self._kv_len(needed + i)
+                    if use_graphs:
+                        self._graph(key, view, kv_len).replay()
+                    else:
+                        self._step(view, kv_len)
+                run.table.advance(steps)
+                run.steps += steps
+                run.slot_steps += steps * run.table.batch
+                finished = decoder.state.finished[: run.table.batch].tolist()  # the host sync
+                slots, sequences = run.table.retire(finished)
+                if slots:
+                    out = decoder.outputs()
+                    index, where = (torch.tensor(x, device=device) for x in (slots, sequences))
+                    for name, values in results.items():
+                        values.index_copy_(0, where, out[name][index])
+                if run.table.queue:
+                    self._admit(run, prompts, budgets, active)
+                elif not run.table.live:
                     break
-            clock.mark()
-        self._last_phases = (clock, steps, setup_seconds, width)
-        return decoder.finish(prompts.to(device), self.tokenizer, steps)
+                elif (size := run.table.smaller_batch()) is not None:
+                    self._compact(run, size)
+            run.clock.mark()
+        run.live_steps = int((results["authors"] != 0).sum())
+        self._last_run = run
+        return package_rollout(prompts, results, self.tokenizer, decoder.needs_senior)
+
+    def _admit(self, run: _Run, prompts: PromptBatch, budgets: Tensor, active: list[str]) -> None:
+        """Refill free slots from the queue: one prefill of both models over the admitted prompts
+        (left-padded among themselves), their caches copied into the freed rows."""
+        slots, sequences = run.table.admit()
+        if not slots:
+            return
+        buf, device = self._batch, self._batch.slot.device
+        run.prefills.append(self._event())
+        group = prompts.select(sequences)
+        rows = torch.tensor(slots, device=device)
+        inputs = model_prompts(group)
+        run.decoder.admit(rows, group.seeds, budgets[torch.tensor(sequences, device=device)])
+        width = inputs["senior"][0].shape[1]
+        buf.slot[rows] = width - 1
+        for name in active:
+            ids, mask = inputs[name]
+            buf.position[name][rows] = mask.sum(-1) - 1
+            valid = torch.zeros(len(slots), buf.length, dtype=torch.bool, device=device)
+            valid[:, :width] = mask.bool()
+            buf.valid[name][rows] = valid  # a whole row: nothing of the slot's last sequence stays visible
+            buf.logits[name][rows] = self.models[name].prefill(ids, mask, rows).float()
+        for slot in slots:
+            run.table.bound[slot] = width - 1
+        run.prefills.append(self._event())
+        run.refills += run.steps > 0
+
+    def _compact(self, run: _Run, size: int) -> None:
+        """Move the live rows to the first rows (both models, every per-row buffer) and decode
+        ``size`` rows from now on: finished rows stop costing."""
+        sources = torch.tensor(run.table.compact(size), device=self._batch.slot.device)
+        for tensor in (*run.decoder.per_row(), *self._batch.per_row()):
+            tensor[: len(sources)] = tensor[sources]
+        for model in self.models.values():
+            model.move_rows(sources)
+        run.decoder.state.finished[len(sources):].fill_(True)  # the rows left behind are empty
+        run.compactions += 1
+
+    def _event(self):
+        device = self._batch.slot.device
+        if device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def last_timing(self) -> dict[str, float]:
         """Where the last ``generate`` spent its time: setup seconds (cache allocation and graph
-        capture: zero when both are reused), prefill seconds, decode seconds and steps, and the
-        decode step time; ``prompt_width``: the padded prompt tokens decoding started from."""
-        if self._last_phases is None:
+        capture: zero when both are reused), prefill seconds (every refill included), decode
+        seconds and steps, the decode step time; ``busy_slot_fraction``: tokens written over the
+        rows the steps paid for (live row-steps / decoded row-steps); refills (admissions after
+        decoding started) and compactions; ``prompt_width``: the widest padded prompt."""
+        run = self._last_run
+        if run is None:
             raise RuntimeError("last_timing() reports on a generate() call; none has run yet")
-        clock, steps, setup, width = self._last_phases
-        prefill, decode = clock.seconds()
+        (total,) = run.clock.seconds()
+        pairs = list(zip(run.prefills[::2], run.prefills[1::2]))
+        if run.clock.cuda:
+            prefill = sum(a.elapsed_time(b) / 1000 for a, b in pairs)
+        else:
+            prefill = sum(b - a for a, b in pairs)
+        decode = total - prefill
         return {
-            "setup_s": setup, "prefill_s": prefill, "decode_s": decode, "decode_steps": steps,
-            "decode_step_ms": 1000 * decode / max(steps, 1), "prompt_width": width,
+            "setup_s": run.setup_s, "prefill_s": prefill, "decode_s": decode, "decode_steps": run.steps,
+            "decode_step_ms": 1000 * decode / max(run.steps, 1),
+            "busy_slot_fraction": run.live_steps / max(run.slot_steps, 1),
+            "refills": run.refills, "compactions": run.compactions, "prompt_width": run.width,
         }
 
     def _kv_len(self, needed: int) -> int:
         if self.triton:  # the attention kernel reads its bound on the device: one graph for all steps
             return self._batch.length
         return min(math.ceil(needed / self.kv_block) * self.kv_block, self._batch.length)
+
+
+class _Run:
+    """The bookkeeping of one ``generate``: the decoder, the slot table, and what timing reports."""
+
+    def __init__(self, decoder: TandemDecoder, table: SlotTable, clock: _PhaseClock):
+        self.decoder, self.table, self.clock = decoder, table, clock
+        self.prefills: list = []  # start/end marks of every prefill
+        self.setup_s = 0.0
+        self.steps = self.slot_steps = self.live_steps = 0
+        self.refills = self.compactions = 0
+        self.width = 0

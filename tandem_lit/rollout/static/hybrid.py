@@ -75,6 +75,10 @@ class _DeltaLayer:
     def free(self) -> None:
         self.conv_state = self.state = None
 
+    def move_rows(self, sources: Tensor) -> None:
+        for state in (self.conv_state, self.state):
+            state[: len(sources)] = state[sources]
+
     def step_fused(self, h: Tensor) -> Tensor:  # [B, H] -> [B, H]
         """The same step in two Triton kernels (GPU), over one fused input projection if present."""
         from tandem_lit.rollout.static import kernels
@@ -227,27 +231,36 @@ class HybridDecoderModel:
         self.cos = self.sin = None
 
     @torch.no_grad()
-    def prefill(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:  # -> [B, V]
-        """The model's own forward over the prompts; its cache is copied into the static buffers
-        (keys/values into slots [0, P), the convolution and recurrent states as they end)."""
+    def prefill(self, input_ids: Tensor, attention_mask: Tensor, rows: Tensor) -> Tensor:  # -> [B, V]
+        """The model's own forward over the prompts; its cache is copied into the static buffers'
+        ``rows`` (keys/values into slots [0, P), the convolution and recurrent states as they end:
+        a row's states are per sequence, so they are overwritten whole on admission)."""
 
-        batch, width = input_ids.shape
+        width = input_ids.shape[1]
         hidden, cache = prefill_with_cache(self.decoder_stack, self.config, input_ids, attention_mask)
         for i, (_, mixer, _) in enumerate(self.blocks):
             if isinstance(mixer, _DeltaLayer):
                 conv, recurrent = linear_attention_states(cache, i)
-                mixer.conv_state[:batch].copy_(conv[..., -mixer.kernel :])
-                mixer.state[:batch].copy_(recurrent)
+                mixer.conv_state[rows] = conv[..., -mixer.kernel :].to(mixer.conv_state.dtype)
+                mixer.state[rows] = recurrent.to(mixer.state.dtype)
             else:
                 keys, values = layer_cache(cache, i)
-                self.k_cache[i][:batch, :, :width].copy_(keys)
-                self.v_cache[i][:batch, :, :width].copy_(values)
+                self.k_cache[i][rows, :, :width] = keys
+                self.v_cache[i][rows, :, :width] = values
         last = hidden[:, -1:].contiguous()
         return self.lm_head(last)[:, -1]
 
+    def move_rows(self, sources: Tensor) -> None:
+        """Compaction: row ``i`` of every cache and linear-attention state becomes row ``sources[i]``'s."""
+        for cache in (*self.k_cache.values(), *self.v_cache.values()):
+            cache[: len(sources)] = cache[sources]
+        for _, mixer, _ in self.blocks:
+            if isinstance(mixer, _DeltaLayer):
+                mixer.move_rows(sources)
+
     def decode(self, token: Tensor, position: Tensor, slot: Tensor, valid: Tensor, kv_len: int, triton: bool) -> Tensor:
         """One token per sequence (the interface of ``StaticDecoderModel.decode``): full-attention
-        layers write K/V at ``slot`` and attend to the valid slots below ``kv_len``; linear-attention
+        layers write K/V at each row's ``slot`` ([B]) and attend to the valid slots below ``kv_len``; linear-attention
         layers advance their states. ``triton``: the recurrence as one Triton kernel (GPU)."""
         batch = token.shape[0]
         x = self.embed.weight[token]
@@ -304,8 +317,9 @@ class HybridDecoderModel:
         q = torch.cat([q[..., :rot] * cos + rotate_half(q[..., :rot]) * sin, q[..., rot:]], dim=-1)
         k = torch.cat([k[..., :rot] * cos + rotate_half(k[..., :rot]) * sin, k[..., rot:]], dim=-1)
         k_cache, v_cache = self.k_cache[i][:batch], self.v_cache[i][:batch]
-        k_cache.index_copy_(2, slot, k.unsqueeze(2))
-        v_cache.index_copy_(2, slot, v.unsqueeze(2))
+        at_slot = slot.view(batch, 1, 1, 1).expand(batch, self.kv_heads, 1, d)  # each row its own slot
+        k_cache.scatter_(2, at_slot, k.unsqueeze(2))
+        v_cache.scatter_(2, at_slot, v.unsqueeze(2))
         keys, values = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
         group = self.heads // self.kv_heads
         q = q.view(batch, self.kv_heads, group, d)

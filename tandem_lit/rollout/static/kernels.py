@@ -7,7 +7,8 @@ fuse that swarm, so one layer runs 8 kernels (with fused q/k/v and gate/up weigh
 - ``add_rms_norm``: residual add + RMSNorm (the residual stream is updated in place);
 - ``rope_attention``: per-head Q/K RMSNorm (Qwen3), rotary embedding, the K/V cache write and
   grouped-query attention of the new token over the cache (online softmax), reading only the
-  slots written so far (the bound is read on the device, so one CUDA graph serves every step);
+  slots written so far (each row's bound is read on the device, so one CUDA graph serves every
+  step, and rows admitted at different steps sit at different depths);
 - ``silu_mul``: the gated MLP's activation;
 - ``sample_rows`` / ``token_logprobs``: the decoder's inverse-CDF draw (rows from either model's
   logits, optionally restricted to allowed start tokens) and the senior's log-probs, each one
@@ -93,7 +94,7 @@ def _rope_attention_kernel(
     g = tl.arange(0, BLOCK_G)[:, None]
     qmask = (g < group) & mask
     pos = tl.load(pos_ptr + b)
-    slot = tl.load(slot_ptr)  # the new token's cache slot; slots [0, slot) hold earlier keys
+    slot = tl.load(slot_ptr + b)  # this row's new-token cache slot; slots [0, slot) hold earlier keys
     c1 = tl.load(cos_ptr + pos * d + offs, mask=mask, other=0.0).to(tl.float32)
     c2 = tl.load(cos_ptr + pos * d + half + offs, mask=mask, other=0.0).to(tl.float32)
     s1 = tl.load(sin_ptr + pos * d + offs, mask=mask, other=0.0).to(tl.float32)
@@ -159,7 +160,7 @@ def rope_attention(
     grouped-query attention over the valid cache slots [0, slot] — one kernel per layer.
 
     q [B, H*D], k/v [B, KV*D] (rows may be strided views of one fused projection), cos/sin
-    [S, D], position [B], slot [1], caches [Bcap, KV, S, D], valid [Bcap, S] bool -> [B, H*D]
+    [S, D], position [B], slot [B] (each row's own), caches [Bcap, KV, S, D], valid [Bcap, S] bool -> [B, H*D]
     """
     batch = q.shape[0]
     if block_n is None or num_warps is None:
@@ -423,7 +424,7 @@ def _gated_attention_kernel(
     partner = tl.where(offs < half, offs + half, tl.where(offs < rot, offs - half, offs))
     sign = tl.where(offs < half, -1.0, 1.0)
     pos = tl.load(pos_ptr + b)
-    slot = tl.load(slot_ptr)  # the new token's cache slot; slots [0, slot) hold earlier keys
+    slot = tl.load(slot_ptr + b)  # this row's new-token cache slot; slots [0, slot) hold earlier keys
     in_rot = offs < rot
     cos = tl.load(cos_ptr + pos * rot + offs, mask=in_rot, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + pos * rot + offs, mask=in_rot, other=0.0).to(tl.float32)
@@ -473,7 +474,7 @@ def gated_attention(
 
     q_and_gate [B, H*2D] (q_proj's output: each head's query, then its gate), k/v [B, KV*D] (rows
     may be strided views of one fused projection), cos/sin [S, R] (rotary on the first R dims),
-    position [B], slot [1], caches [Bcap, KV, S, D], valid [Bcap, S] bool -> [B, H*D], already gated.
+    position [B], slot [B] (each row's own), caches [Bcap, KV, S, D], valid [Bcap, S] bool -> [B, H*D], already gated.
     """
     # tile size barely matters end to end (9B/2B batch-64 decode step 9.49 ms with block_n 32,
     # 9.57 ms with 64, H200); alone the kernel times 90-150 us in benchmarks/hybrid_kernels.py

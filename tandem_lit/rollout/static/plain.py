@@ -129,15 +129,15 @@ class StaticDecoderModel:
         self.cos = self.sin = None
 
     @torch.no_grad()
-    def prefill(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:  # -> [B, V]
-        """The model's own decoder stack over the prompts, then its LM head on the last position;
-        keys/values land in slots [0, P)."""
-        batch, width = input_ids.shape
+    def prefill(self, input_ids: Tensor, attention_mask: Tensor, rows: Tensor) -> Tensor:  # -> [B, V]
+        """The model's own decoder stack over the prompts (left-padded among themselves), then its
+        LM head on the last position; keys/values land in cache ``rows`` at slots [0, P)."""
+        width = input_ids.shape[1]
         hidden, cache = prefill_with_cache(self.decoder_stack, self.config, input_ids, attention_mask)
         for i in range(len(self.layers)):
             keys, values = layer_cache(cache, i)
-            self.k_cache[i][:batch, :, :width].copy_(keys)
-            self.v_cache[i][:batch, :, :width].copy_(values)
+            self.k_cache[i][rows, :, :width] = keys
+            self.v_cache[i][rows, :, :width] = values
         last = hidden[:, -1:]  # what ``logits_to_keep=1`` hands the LM head (bit-equal to HFEngine on CPU)
         if last.is_cuda:
             # on that strided view cuBLAS picked a kernel that took ~10 ms instead of ~0.2
@@ -145,11 +145,17 @@ class StaticDecoderModel:
             last = last.contiguous()
         return self.lm_head(last)[:, -1]
 
-    def decode(self, token: Tensor, position: Tensor, slot: Tensor, valid: Tensor, kv_len: int, triton: bool) -> Tensor:
-        """One token per sequence: write its K/V at ``slot``, attend to the valid slots up to it.
+    def move_rows(self, sources: Tensor) -> None:
+        """Compaction: cache row ``i`` becomes row ``sources[i]``'s, for i < len(sources)."""
+        for cache in (*self.k_cache, *self.v_cache):
+            cache[: len(sources)] = cache[sources]
 
-        token, position: [B] long; slot: [1] long; valid: [Bcap, S] bool -> logits [B, V].
-        The torch path attends to slots [0, kv_len); the Triton path reads the bound from ``slot``.
+    def decode(self, token: Tensor, position: Tensor, slot: Tensor, valid: Tensor, kv_len: int, triton: bool) -> Tensor:
+        """One token per sequence: write its K/V at its own ``slot``, attend to the valid slots up to it.
+
+        token, position, slot: [B] long (each row its own cache slot: rows admitted at different
+        steps sit at different depths); valid: [Bcap, S] bool -> logits [B, V]. The torch path
+        attends to slots [0, kv_len); the Triton path reads each row's bound from ``slot``.
         """
         if triton:
             return self._decode_triton(token, position, slot, valid)
@@ -161,6 +167,7 @@ class StaticDecoderModel:
         mask = torch.zeros(valid.shape, dtype=self.dtype, device=self.device).masked_fill_(~valid, torch.finfo(self.dtype).min)
         mask = mask[:, None, None, :]  # [B, 1, 1, kv_len]
         group = self.heads // self.kv_heads
+        at_slot = slot.view(batch, 1, 1, 1).expand(batch, self.kv_heads, 1, self.head_dim)
         for i, layer in enumerate(self.layers):
             h = norm(layer.input_norm, x)
             q = layer.q(h).view(batch, self.heads, self.head_dim)
@@ -171,8 +178,8 @@ class StaticDecoderModel:
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             k_cache, v_cache = self.k_cache[i][:batch], self.v_cache[i][:batch]
-            k_cache.index_copy_(2, slot, k.unsqueeze(2))
-            v_cache.index_copy_(2, slot, v.unsqueeze(2))
+            k_cache.scatter_(2, at_slot, k.unsqueeze(2))
+            v_cache.scatter_(2, at_slot, v.unsqueeze(2))
             keys, values = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]  # [B, KV, S, D]
             q = q.view(batch, self.kv_heads, group, self.head_dim)
             scores = torch.matmul(q, keys.transpose(-1, -2)) * self.scaling + mask  # [B, KV, G, S]

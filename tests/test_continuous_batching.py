@@ -1,0 +1,205 @@
+"""Per-sequence token budgets and continuous batching.
+
+Every engine honours ``PromptBatch.max_new_tokens`` (a row that reaches its budget is truncated,
+as at ``sampling.max_new_tokens``). FastEngine with ``max_batch`` below the number of rows decodes
+them as a queue (freed slots refilled, live rows compacted into smaller batches): its rollouts
+must equal the reference engine's and the all-at-once FastEngine's whatever the admission order,
+so a sequence depends on its own seed only, never on its slot or its neighbours.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem_lit.rollout.engine import HFEngine
+from tandem_lit.rollout.handoff import (
+    LineHandoff,
+    ParagraphHandoff,
+    SentenceHandoff,
+    SoloHandoff,
+    TokenHandoff,
+    WordHandoff,
+)
+from tandem_lit.rollout.record import PromptBatch
+from tandem_lit.rollout.sampling import SamplingConfig, sequence_seeds
+from tandem_lit.rollout.static import FastEngine
+from tandem_lit.rollout.text_handoff import TextHandoffEngine
+from tests.test_fast_engine import build, prompt_batch
+from tests.test_hybrid_engine import hybrid
+
+BUDGETS = torch.tensor([3, 17, 1, 9])
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from tandem_lit.tiny import char_tokenizer
+
+    return char_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def plain_pair(tokenizer):
+    return build("qwen3", len(tokenizer), 64, 2, seed=0), build("llama", len(tokenizer), 32, 1, seed=1)
+
+
+def with_budgets(prompts: PromptBatch, budgets: torch.Tensor) -> PromptBatch:
+    return PromptBatch(prompts.input_ids, prompts.attention_mask, prompts.seeds, prompts.partner, budgets)
+
+
+@pytest.mark.parametrize("kind", ["hf", "fast", "text"])
+def test_every_engine_stops_each_row_at_its_own_budget(tokenizer, plain_pair, kind):
+    senior, junior = plain_pair
+    engine = {"hf": HFEngine, "fast": FastEngine, "text": TextHandoffEngine}[kind](rollout_dtype="float32")
+    engine.setup(senior, junior, tokenizer)
+    prompts = prompt_batch(tokenizer, "cpu")
+    if kind == "text":  # text-level handoff reads the junior's own encoding of the prompts
+        prompts = PromptBatch(prompts.input_ids, prompts.attention_mask, prompts.seeds, prompts)
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=20, seed=3, ignore_eos=True)
+    policy = WordHandoff(p=0.5)
+    full = engine.generate(prompts, policy, sampling)
+    cut = engine.generate(with_budgets(prompts, BUDGETS), policy, sampling)
+    assert cut.truncated.all() and not cut.finished.any()
+    if kind == "text":  # the budget counts tokens either model wrote; re-encoded spans may differ in count
+        assert (cut.lengths <= BUDGETS).all()
+        assert all(f.startswith(c) for c, f in zip(cut.texts, full.texts))
+        return
+    assert cut.lengths.tolist() == BUDGETS.tolist()
+    for row, budget in enumerate(BUDGETS.tolist()):  # a budget cuts the same rollout, nothing else
+        assert cut.completion_ids[row, :budget].tolist() == full.completion_ids[row, :budget].tolist()
+        assert cut.author[row, :budget].tolist() == full.author[row, :budget].tolist()
+
+
+@pytest.mark.parametrize("budgets", [torch.tensor([0, 1, 1, 1]), torch.tensor([1, 1, 21, 1]), torch.tensor([1, 2])])
+def test_a_budget_outside_one_to_max_new_tokens_is_refused(tokenizer, plain_pair, budgets):
+    senior, junior = plain_pair
+    engine = HFEngine(rollout_dtype="float32")
+    engine.setup(senior, junior, tokenizer)
+    prompts = prompt_batch(tokenizer, "cpu")
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.generate(with_budgets(prompts, budgets), SoloHandoff(), SamplingConfig(max_new_tokens=20))
+
+
+def test_select_keeps_budgets_partner_and_drops_shared_padding(tokenizer):
+    prompts = prompt_batch(tokenizer, "cpu")
+    prompts = PromptBatch(prompts.input_ids, prompts.attention_mask, prompts.seeds, prompts, BUDGETS)
+    picked = prompts.select([1, 2])  # "Hi" and the longest prompt
+    assert picked.max_new_tokens.tolist() == [17, 1]
+    assert picked.seeds.tolist() == prompts.seeds[[1, 2]].tolist()
+    assert picked.partner.input_ids.shape == picked.input_ids.shape
+    short = prompts.select([1])
+    assert short.input_ids.shape[1] == int(prompts.attention_mask[1].sum())
+
+
+# ------------------------------------------------------------------------- continuous batching
+
+# prompts of different widths; with their seeds and budgets, 10 sequences decoded 3 at a time
+QUEUE_PROMPTS = ["Q: 2+3?\nA:", "Hi", "The quick brown fox jumps over", "1. a\n\n2.", "x", "Once upon a time,"] * 2
+QUEUE_PROMPTS = QUEUE_PROMPTS[:10]
+QUEUE_BUDGETS = torch.tensor([24, 5, 13, 1, 24, 9, 2, 20, 7, 16])
+JUNIOR_PROMPTS = ["Réponds en français.", "Salut", "Le renard", "En français: 1.", "y", "Il était une fois"] * 2
+POLICIES = {
+    "solo": SoloHandoff("senior"),
+    "token": TokenHandoff(p=0.5),
+    "word": WordHandoff(p=0.5),
+    "sentence": SentenceHandoff(p=0.5, max_span=6),
+    "line": LineHandoff(p=0.5, max_span=5),
+    "paragraph": ParagraphHandoff(p=0.5, max_span=4),
+}
+GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=24)
+SAMPLED = SamplingConfig(temperature=1.0, max_new_tokens=24, seed=3)
+
+
+def queue_batch(tokenizer, junior_prompts=None, budgets=QUEUE_BUDGETS) -> PromptBatch:
+    enc = tokenizer(QUEUE_PROMPTS, padding=True, padding_side="left", return_tensors="pt")
+    seeds = sequence_seeds(7, 0, len(QUEUE_PROMPTS))
+    partner = None
+    if junior_prompts is not None:
+        own = tokenizer(junior_prompts[: len(QUEUE_PROMPTS)], padding=True, padding_side="left", return_tensors="pt")
+        partner = PromptBatch(own.input_ids, own.attention_mask, seeds)
+    return PromptBatch(enc.input_ids, enc.attention_mask, seeds, partner, budgets)
+
+
+def assert_same(a, b, logprobs=True):
+    assert a.texts == b.texts
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    assert torch.equal(a.author, b.author)
+    for name in ("finished", "truncated", "handoffs", "decisions", "junior_draws"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    if logprobs:
+        torch.testing.assert_close(a.senior_logprobs, b.senior_logprobs, rtol=1e-4, atol=1e-4)
+
+
+def three_engines(senior, junior, tokenizer):
+    made = [HFEngine(rollout_dtype="float32"), FastEngine(kernels="torch", rollout_dtype="float32"),
+            FastEngine(kernels="torch", rollout_dtype="float32", max_batch=3, check_every=2)]
+    for engine in made:
+        engine.setup(senior, junior, tokenizer)
+    return made
+
+
+def check_queue(engines, prompts, policy, sampling):
+    reference, static, continuous = engines
+    want = reference.generate(prompts, policy, sampling)
+    assert_same(static.generate(prompts, policy, sampling), want)
+    got = continuous.generate(prompts, policy, sampling)
+    assert_same(got, want)
+    timing = continuous.last_timing()
+    assert timing["refills"] > 0 and timing["compactions"] > 0  # slots were reused and rows moved
+    assert 0 < timing["busy_slot_fraction"] <= 1
+    return got
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("policy", POLICIES.values(), ids=POLICIES.keys())
+def test_continuous_batching_equals_the_reference_for_every_policy(tokenizer, plain_pair, policy, sampling):
+    senior, junior = plain_pair
+    check_queue(three_engines(senior, junior, tokenizer), queue_batch(tokenizer), policy, sampling)
+
+
+def test_continuous_batching_with_per_model_prompts(tokenizer, plain_pair):
+    senior, junior = plain_pair
+    prompts = queue_batch(tokenizer, JUNIOR_PROMPTS)
+    check_queue(three_engines(senior, junior, tokenizer), prompts, WordHandoff(p=0.5), SAMPLED)
+
+
+@pytest.mark.parametrize("pair", ["hybrid-hybrid", "hybrid-llama"])
+def test_continuous_batching_on_qwen35_hybrid_pairs(tokenizer, pair):
+    """Linear-attention layers keep per-sequence conv/recurrent states: refills overwrite them,
+    compaction moves them with their rows."""
+    vocab = len(tokenizer)
+    senior = hybrid(vocab, 0)
+    junior = hybrid(vocab, 1, hidden=32) if pair == "hybrid-hybrid" else build("llama", vocab, 32, 1, seed=1)
+    engines = three_engines(senior, junior, tokenizer)
+    for policy in (SoloHandoff("senior"), WordHandoff(p=0.5)):
+        check_queue(engines, queue_batch(tokenizer), policy, SAMPLED)
+
+
+@pytest.mark.parametrize("order", [[9, 3, 0, 7, 1, 8, 2, 6, 4, 5], [5, 4, 6, 2, 8, 1, 7, 0, 3, 9]])
+def test_admission_order_changes_nothing(tokenizer, plain_pair, order):
+    """Permute the rows (so each sequence lands in another slot, next to other neighbours, admitted
+    at another step), generate, un-permute: the same rollouts."""
+    senior, junior = plain_pair
+    engine = FastEngine(kernels="torch", rollout_dtype="float32", max_batch=4, check_every=3)
+    engine.setup(senior, junior, tokenizer)
+    prompts = queue_batch(tokenizer, JUNIOR_PROMPTS)
+    for policy in (SoloHandoff("senior"), TokenHandoff(p=0.5), ParagraphHandoff(p=0.5, max_span=4)):
+        straight = engine.generate(prompts, policy, SAMPLED)
+        shuffled = engine.generate(prompts.select(order), policy, SAMPLED)
+        back = torch.tensor(order).argsort()
+        unshuffled = shuffled.select(back)
+        assert_same(unshuffled, straight)
+
+
+def test_a_refilled_slot_forgets_its_last_sequence(tokenizer, plain_pair):
+    """One slot, sequences one after another: each must equal the same sequence decoded alone
+    (a stale KV entry, valid flag, recurrent state or counter would change it)."""
+    senior, junior = plain_pair
+    engine = FastEngine(kernels="torch", rollout_dtype="float32", max_batch=1, check_every=1)
+    engine.setup(senior, junior, tokenizer)
+    prompts = queue_batch(tokenizer)
+    together = engine.generate(prompts, WordHandoff(p=0.5), SAMPLED)
+    for row in (2, 5, 9):
+        alone = engine.generate(prompts.select([row]), WordHandoff(p=0.5), SAMPLED)
+        assert together.texts[row] == alone.texts[0]
+        assert torch.equal(together.author[row, : alone.author.shape[1]], alone.author[0])
