@@ -45,7 +45,7 @@ import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rollout import copy_bandwidth  # noqa: E402  (benchmarks/rollout.py: the same roofline inputs)
+from rollout import copy_bandwidth, draw_budgets, parse_lengths  # noqa: E402  (benchmarks/rollout.py: the same roofline inputs and length draws)
 
 from tandem_lit.data.base import PromptDataModule  # noqa: E402
 from tandem_lit.training.distributed import FSDP2Strategy  # noqa: E402
@@ -155,7 +155,8 @@ def build_module(model_args: dict, arm: str, args, root: Path):
     parser.add_class_arguments(TandemModule, "model", skip={"verifier"}, instantiate=False)
     instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes  # renamed in jsonargparse 4.49
     namespace = instantiate(parser.parse_object({"model": init}))
-    kwargs = {k: v for k, v in vars(namespace.model).items() if not k.startswith("__")}
+    # (by key, not vars(): jsonargparse stores a field named like a Namespace method, ``update``, escaped)
+    kwargs = {k: namespace.model[k] for k in namespace.model.keys() if "." not in k and not k.startswith("__")}
     return TandemModule(verifier=CoinVerifier(), **kwargs)
 
 
@@ -243,11 +244,22 @@ def decode_bytes(module, prompt_width: float) -> float:
     return total
 
 
+def budgets_for_seeds(lengths: dict, seeds: torch.Tensor, limit: int) -> torch.Tensor:
+    """Each sequence's token budget, a lognormal draw keyed by its seed (the same rollout gets the
+    same length in both arms and however the rows are split), at most ``limit`` (warm-up steps)."""
+    draws = [draw_budgets(lengths, 1, int(seed))[0] for seed in seeds.tolist()]
+    return torch.stack(draws).clamp(max=limit)
+
+
 def run_arm(arm: str, model_args: dict, trainer_args: dict, args, root: Path, bandwidth: float) -> dict:
     module = build_module(model_args, arm, args, root)
     data = ProblemRows(args.problems, batch_size=args.prompts, seed=0)
     report = StepReport(arm, args.warmup_steps, min(32, module.sampling.max_new_tokens), bandwidth, args.prompts)
-    updates_per_step = -(-args.prompts // (module.mini_batch_size or args.prompts))
+    lengths = parse_lengths(args.lengths, args.tiny)
+    if lengths is not None:  # random weights never end a sequence: each one's budget is its length
+        sampling = module.sampling  # (StepReport shortens its max_new_tokens in warm-up steps)
+        module.rollouts.token_budgets = lambda seeds: budgets_for_seeds(lengths, seeds, sampling.max_new_tokens)
+    updates_per_step = -(-args.prompts // (module.update_settings.mini_batch_size or args.prompts))
     strategy = FSDP2Strategy() if args.strategy == "fsdp" else "auto"
     trainer = L.Trainer(
         accelerator=args.device if args.device == "cpu" else "gpu", devices=args.devices, strategy=strategy,
@@ -309,6 +321,9 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=1, help="processes (GPUs); > 1 needs --strategy fsdp")
     parser.add_argument("--strategy", default=None, choices=["fsdp"], help="fsdp: tandem_lit.training.distributed.FSDP2Strategy")
     parser.add_argument("--estimate-only", action="store_true")
+    parser.add_argument("--lengths", default="fixed",
+                        help="fixed (every rollout runs max_new_tokens), or lognormal[:median=1000,sigma=0.8,cap=3000]: "
+                             "each rollout's length drawn from its seed (the long tail of real RL responses)")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
 
@@ -318,7 +333,7 @@ def main() -> None:
         args.device = "cpu"
         model_args = dict(model_args, senior={"path": "configs/tiny/senior", "random_init": True, "dtype": "float32"},
                           junior={"path": "configs/tiny/junior", "random_init": True, "dtype": "float32", "init_seed": 1},
-                          prompt_format={"chat_template": False}, max_prompt_tokens=None)
+                          rollout=dict(model_args["rollout"], prompt_format={"chat_template": False}, max_prompt_tokens=None))
         trainer_args = {"precision": "32-true"}
         args.problems = str(REPO / "data/gsm8k-sample/train.jsonl")
         args.prompts = args.prompts or 2

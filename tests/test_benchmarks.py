@@ -25,6 +25,20 @@ def test_train_step_benchmark_tiny(repo_root, tmp_path):
     assert result["arms"]["tandem"]["engine"] == "FastEngine"
 
 
+def test_train_step_benchmark_with_lognormal_lengths_trains_on_each_rollouts_own_budget(repo_root, tmp_path):
+    """--lengths: each rollout's length is a draw keyed by its seed, so responses are shorter than
+    the cap on average and differ between rollouts, as real ones do."""
+    out = tmp_path / "train_step.json"
+    run = subprocess.run(
+        [sys.executable, "benchmarks/train_step.py", "--device", "cpu", "--tiny", "--arms", "grpo", "--max-new-tokens", "16",
+         "--lengths", "lognormal:median=6,sigma=0.8,cap=16", "--json", str(out)],
+        cwd=repo_root, capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    (step,) = json.loads(out.read_text())["arms"]["grpo"]["steps"]
+    assert 1 <= step["response_length"] < 12  # a median-6 draw capped at 16, not the fixed 16
+
+
 def test_activation_bytes_counts_what_each_layer_type_saves(repo_root, monkeypatch):
     """The calibration script behind docs/benchmarks.md's activation numbers, on tiny Qwen3.5
     shapes: both layer types are measured, and what a layer saves grows with the tokens."""

@@ -33,7 +33,7 @@ BUDGETS = torch.tensor([3, 17, 1, 9])
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from tandem_lit.tiny import char_tokenizer
+    from tandem_lit.models.tiny import char_tokenizer
 
     return char_tokenizer()
 

@@ -87,9 +87,9 @@ def continue_after(module, solo: RolloutResult, forced: list[tuple[int, int, int
         prompts.append(prompt + prefix)
     continuations: list[list[int]] = [[] for _ in forced]
     todo = [i for i, prefix in enumerate(prefixes) if prefix[-1] not in end_ids and len(prefix) < budget]
-    left = max((budget - len(prefixes[i]) for i in todo), default=0)
-    sampling = dataclasses.replace(module.evaluation.test_sampling, n=1, max_new_tokens=max(left, 1))
-    per_call = module.rollout_settings.batch_size or len(todo) or 1
+    left = [budget - len(prefixes[i]) for i in todo]  # each continuation's share of the token budget
+    sampling = dataclasses.replace(module.evaluation.test_sampling, n=1, max_new_tokens=max(left, default=1))
+    per_call = max(1, len(todo) if engine.queues_rows else module.rollout_settings.batch_size or len(todo))
     pad = engine.pad_token_id
     for start in range(0, len(todo), per_call):
         chunk = todo[start : start + per_call]
@@ -97,8 +97,8 @@ def continue_after(module, solo: RolloutResult, forced: list[tuple[int, int, int
         ids = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in chunk])
         mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in chunk])
         seeds = torch.tensor([(key * 1_000_003 + forced[i][0] * 7919 + forced[i][1]) & 0xFFFFFFFF for i in chunk])
-        out = engine.generate(PromptBatch(ids, mask, seeds).to(module.device), SoloHandoff("senior"), sampling)
+        budgets = torch.tensor(left[start : start + per_call])
+        out = engine.generate(PromptBatch(ids, mask, seeds, max_new_tokens=budgets).to(module.device), SoloHandoff("senior"), sampling)
         for row, i in enumerate(chunk):
-            written = out.completion_ids[row, : int(out.lengths[row])].tolist()
-            continuations[i] = written[: budget - len(prefixes[i])]  # the shared token budget
+            continuations[i] = out.completion_ids[row, : int(out.lengths[row])].tolist()
     return tokenizer.batch_decode([p + c for p, c in zip(prefixes, continuations)], skip_special_tokens=True)

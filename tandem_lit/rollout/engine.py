@@ -105,6 +105,11 @@ class RolloutEngine(ABC):
     junior: nn.Module | None
     tokenizer: object
     rollout_dtype: str = "auto"  # engines take it as an __init__ argument
+    # True: one ``generate`` call may hold any number of rows (a step's whole batch); the engine
+    # itself decodes at most ``max_batch`` of them at a time and refills freed room (FastEngine,
+    # VLLMEngine). False: callers send at most ``max_batch`` rows per call (HFEngine).
+    queues_rows: bool = False
+    max_batch: int | None = None
 
     def setup(self, senior: nn.Module, junior: nn.Module | None, tokenizer, junior_tokenizer=None) -> None:
         check_shared_tokenizer(tokenizer, junior_tokenizer)

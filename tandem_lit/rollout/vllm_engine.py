@@ -117,6 +117,8 @@ class VLLMEngine(RolloutEngine):
         engine_kwargs: Further ``vllm.LLM`` arguments (e.g. ``max_num_seqs``), passed as they are.
     """
 
+    queues_rows = True  # vLLM's scheduler admits requests as its KV cache allows
+
     def __init__(
         self,
         sleep_level: int = 1,

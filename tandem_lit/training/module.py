@@ -129,7 +129,7 @@ class TandemModule(EvaluationSteps, L.LightningModule):
                 f"handoff {handoff!r} and evaluation.modes {self.evaluation.modes} need a junior model: set "
                 "`junior`, or use SoloHandoff(author='senior') with evaluation.modes: [senior] for plain RL"
             )
-        self.rollouts = RolloutPhase(self.rollout_settings, verifier, has_junior=junior is not None)
+        self.rollouts = RolloutPhase(self.rollout_settings, verifier, junior is not None, self.ready_engine, lambda: self.device)
         self.updates = UpdatePhase(self.update_settings, self.memory, objective, self.sampling)
         self._engine_device: torch.device | None = None
         # optimiser updates (and checkpoint loads) so far, and the version the engine decodes
@@ -141,7 +141,6 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         self.senior: nn.Module | None = None
         self.junior: nn.Module | None = None
         self.reference: nn.Module | None = None
-        self.tokenizer = self.junior_tokenizer = None
         # every logged metric row, for plots and summaries. (No save_hyperparameters: the resolved
         # config.yaml is the record of a run, and LightningCLI would rebuild the module from it.)
         self.history: list[dict[str, float]] = []
@@ -149,6 +148,23 @@ class TandemModule(EvaluationSteps, L.LightningModule):
     @property
     def sampling(self):
         return self.rollout_settings.sampling
+
+    # the tokenizers live in the rollout phase, which encodes every prompt; these name them here
+    @property
+    def tokenizer(self):
+        return self.rollouts.tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, value) -> None:
+        self.rollouts.tokenizer = value
+
+    @property
+    def junior_tokenizer(self):
+        return self.rollouts.junior_tokenizer
+
+    @junior_tokenizer.setter
+    def junior_tokenizer(self, value) -> None:
+        self.rollouts.junior_tokenizer = value
 
     # ----------------------------------------------------------------------------------- models
 
@@ -177,7 +193,8 @@ class TandemModule(EvaluationSteps, L.LightningModule):
             self.senior = shard_model(senior, mesh["data_parallel"], bf16_compute=bf16)
         if self.engine is None:
             self.engine = default_engine(self.senior, self.junior)
-        self.rollouts.bind(self.tokenizer, self.junior_tokenizer, self.ready_engine, lambda: self.device)
+        if self.engine.queues_rows and self.engine.max_batch is None:  # rollout.batch_size: sequences at once
+            self.engine.max_batch = self.rollout_settings.batch_size
         self.updates.bind(self.senior, self.reference, self.manual_backward)
 
     def ready_engine(self) -> RolloutEngine:

@@ -34,20 +34,24 @@ class RolloutPhase:
     """Generates and grades rollouts for rows of a data batch.
 
     ``ready_engine()`` returns the engine bound to the models with the current weights (the
-    module owns that: it knows when the weights moved); ``device()`` where prompts go.
+    module owns that: it knows when the weights moved); ``device()`` where prompts go. The
+    tokenizers are set once the models are loaded (the module's own ``tokenizer`` attributes).
     """
 
-    def __init__(self, settings: RolloutSettings, verifier: Verifier, has_junior: bool):
+    def __init__(self, settings: RolloutSettings, verifier: Verifier, has_junior: bool,
+                 ready_engine: Callable[[], RolloutEngine], device: Callable[[], torch.device]):
         self.settings = settings
         self.verifier = verifier
         self.has_junior = has_junior
+        self.ready_engine, self.device = ready_engine, device
         self.tokenizer = None
         self.junior_tokenizer = None
         self.timing: dict[str, float] = {}  # the engine's phase times, summed over the calls since reset
-
-    def bind(self, tokenizer, junior_tokenizer, ready_engine: Callable[[], RolloutEngine], device: Callable[[], torch.device]) -> None:
-        self.tokenizer, self.junior_tokenizer = tokenizer, junior_tokenizer
-        self.ready_engine, self.device = ready_engine, device
+        # per-row token budgets from the rows' seeds ([B] -> [B] long, each <= max_new_tokens), or
+        # None (every row may use sampling.max_new_tokens). Keyed by seed, so a row's budget does
+        # not depend on how rows are split into calls: benchmarks put real length distributions
+        # on random-weight models this way (benchmarks/train_step.py --lengths).
+        self.token_budgets: Callable[[Tensor], Tensor] | None = None
 
     # ------------------------------------------------------------------------------- prompts
 
@@ -87,13 +91,16 @@ class RolloutPhase:
         """Generate ``sampling.n`` rollouts per row and grade them. ``key`` fixes the seeds;
         ``row_ids``, the rows' places in the whole batch when they are one rank's share of it.
 
-        The engine gets at most ``rollout.batch_size`` sequences per call (its KV caches are
-        sized for one call); seeds are those of the whole batch, so chunking changes nothing else.
+        An engine that queues rows (FastEngine, VLLMEngine) gets them all in one call and decodes
+        ``rollout.batch_size`` at a time, refilling as sequences finish; any other gets calls of at
+        most ``rollout.batch_size`` sequences. Seeds are those of the whole batch, so how the rows
+        are split changes nothing else.
         """
         seeds = sequence_seeds(sampling.seed, key, (max(row_ids) + 1 if row_ids else len(rows)) * sampling.n)
         if row_ids:  # the seeds these rows get in one process
             seeds = seeds.view(-1, sampling.n)[torch.tensor(row_ids)].reshape(-1)
-        per_call = max(1, (self.settings.batch_size or len(rows) * sampling.n) // sampling.n)
+        queues = self.ready_engine().queues_rows
+        per_call = len(rows) if queues else max(1, (self.settings.batch_size or len(rows) * sampling.n) // sampling.n)
         parts = []
         for start in range(0, len(rows), per_call):
             chunk = rows[start : start + per_call]
@@ -110,7 +117,9 @@ class RolloutPhase:
         if self.has_junior and (getattr(engine, "needs_partner_prompts", False) or self.settings.junior_prompt_format):
             junior = self.encode_junior_prompts(prompts_text)
             partner = PromptBatch(junior["input_ids"], junior["attention_mask"], seeds)
-        prompts = PromptBatch(encoded["input_ids"], encoded["attention_mask"], seeds, partner).to(self.device())
+        budgets = self.token_budgets(seeds) if self.token_budgets is not None else None
+        prompts = PromptBatch(encoded["input_ids"], encoded["attention_mask"], seeds, partner, max_new_tokens=budgets)
+        prompts = prompts.to(self.device())
         rollout = engine.generate(prompts, policy, sampling)
         if hasattr(engine, "last_timing"):
             for name, value in dict(engine.last_timing(), calls=1).items():

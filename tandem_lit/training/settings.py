@@ -153,8 +153,10 @@ class RolloutSettings:
 
     Args:
         sampling: Training rollouts (``n`` = rollouts per prompt, GRPO's group size).
-        batch_size: Sequences per engine call (None: all of a step's rollouts at once); bounds
-            the KV cache memory of generation.
+        batch_size: Sequences decoded at once (None: all of a step's rollouts); bounds the KV
+            cache memory of generation. FastEngine takes a step's rollouts in one call as a queue
+            and refills finished sequences' room (its ``max_batch``, unless set there); engines
+            without a queue (HFEngine, TextHandoffEngine) get calls of this many sequences.
         max_prompt_tokens: Training skips prompts longer than this (after the chat template),
             counted in ``train/skipped_long_prompts`` (verl's overlong-prompt filter). Evaluation
             never skips. None: no limit.

@@ -140,6 +140,8 @@ class FastEngine(RolloutEngine):
             the next smaller captured batch size. KV caches are sized for ``max_batch`` rows.
     """
 
+    queues_rows = True
+
     def __init__(
         self,
         cuda_graphs: bool = True,
