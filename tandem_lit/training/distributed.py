@@ -38,6 +38,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_f
 from tandem_lit.errors import ConfigError
 from tandem_lit.rollout.logprobs import last_hidden_state
 from tandem_lit.rollout.weights import is_sharded, plain_model
+from tandem_lit.training.sharded import is_sharded_checkpoint, load_sharded_into, remove_sharded, save_sharded
 
 # metrics that add up over ranks (counts, throughput) or take the largest; the rest are means
 # (``loss``: each rank's part of the batch-wide normalised loss)
@@ -48,12 +49,36 @@ LARGEST = {"peak_memory_gb"}
 class FSDP2Strategy(ModelParallelStrategy):
     """Lightning's FSDP2 strategy with one data-parallel group of every process (no tensor
     parallelism). Checkpoints are one file of full weights and optimizer state, gathered to rank 0
-    and written atomically, so that a checkpoint loads on any number of processes and exports to a
-    Hugging Face folder (sharded checkpoints are not offered: our atomic writes and checks are
-    per file)."""
+    and written atomically; with ``sharded_checkpoints`` (``checkpoint.sharded: true``) a folder
+    in which every rank writes its own shards (``training/sharded.py``). Either loads on any number
+    of processes and exports to a Hugging Face folder."""
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(data_parallel_size="auto", tensor_parallel_size=1, save_distributed_checkpoint=False, **kwargs)
+    def __init__(self, sharded_checkpoints: bool = False, **kwargs: Any) -> None:
+        super().__init__(data_parallel_size="auto", tensor_parallel_size=1, save_distributed_checkpoint=sharded_checkpoints,
+                         **kwargs)
+
+    @property
+    def sharded_checkpoints(self) -> bool:
+        return self._save_distributed_checkpoint
+
+    @sharded_checkpoints.setter
+    def sharded_checkpoints(self, value: bool) -> None:
+        self._save_distributed_checkpoint = value  # what Lightning's state-dict getters read
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any = None) -> None:
+        if not self.sharded_checkpoints:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        save_sharded(checkpoint, Path(self.broadcast(str(filepath))), self.global_rank, self.broadcast, self.barrier)
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if is_sharded_checkpoint(path):
+            return load_sharded_into(path, self.lightning_module, self.optimizers)
+        return super().load_checkpoint(path, weights_only)
+
+    def remove_checkpoint(self, filepath) -> None:
+        if self.is_global_zero:
+            remove_sharded(filepath)
 
     def setup_environment(self) -> None:
         self._data_parallel_size = self.num_nodes * self.num_processes
