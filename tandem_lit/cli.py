@@ -44,7 +44,7 @@ from tandem_lit.training.callbacks import (
     TandemProgressBar,
     check_checkpoint,
 )
-from tandem_lit.training.distributed import FSDP2Strategy
+from tandem_lit.training.distributed import FSDP2Strategy, external_launch, launch_rank, launch_settings
 from tandem_lit.training.module import TandemModule  # noqa: F401  (short class_path names)
 from tandem_lit.training.sft import SFTModel  # noqa: F401
 
@@ -95,11 +95,16 @@ class TandemCLI(LightningCLI):
         config = self.config[self.subcommand] if self.subcommand else self.config
         root = Path(config.trainer.default_root_dir).expanduser().resolve()
         resume = config.get("ckpt_path")
+        # torchrun or srun started this process with the others: their counts, and every rank picks
+        # the same folder (no rank writes to it before all have joined the process group)
+        config.trainer.devices, config.trainer.num_nodes = launch_settings(config.trainer.devices, config.trainer.num_nodes)
         launched = os.environ.get(RUN_FOLDER_ENV) if int(os.environ.get("LOCAL_RANK", "0")) > 0 else None
-        if launched:  # a process Lightning started for rank > 0: the folder rank 0 chose
+        if launched and external_launch() is None:  # a process Lightning started for rank > 0: the folder rank 0 chose
             root = Path(launched)
         elif self.subcommand == "fit" and not resume:
             root = unused_run_folder(root)
+        elif self.subcommand == "fit" and run_folder_of(resume):  # a resume continues in its own run's folder
+            root = run_folder_of(resume)
         os.environ[RUN_FOLDER_ENV] = str(root)  # inherited by the processes of the other ranks
         try:
             root.mkdir(parents=True, exist_ok=True)
@@ -112,7 +117,9 @@ class TandemCLI(LightningCLI):
         for section in ("checkpoint", "best_checkpoint"):
             if section in config and config[section].dirpath is None:
                 config[section].dirpath = str(root / "checkpoints")
-        if config.trainer.logger is None:  # not set by the user: a local MLflow store in the run folder
+        if config.trainer.logger is None and launch_rank() > 0:  # rank 0 logs (and alone creates the store)
+            config.trainer.logger = False
+        elif config.trainer.logger is None:  # not set by the user: a local MLflow store in the run folder
             init_args = Namespace(
                 experiment_name="tandem-lit",
                 tracking_uri=f"sqlite:///{root / 'mlflow.db'}",
@@ -233,12 +240,19 @@ def unused_run_folder(root: Path) -> Path:
     while used(root.with_name(f"{root.name}-{version}")):
         version += 1
     fresh = root.with_name(f"{root.name}-{version}")
-    print(
-        f"tandem-lit: {root} holds an earlier run; this run writes to {fresh}. To continue the earlier run, pass "
-        f"--ckpt_path {root / 'checkpoints' / 'last.ckpt'}.",
-        file=sys.stderr,
-    )
+    if launch_rank() == 0:
+        print(
+            f"tandem-lit: {root} holds an earlier run; this run writes to {fresh}. To continue the earlier run, pass "
+            f"--ckpt_path {root / 'checkpoints' / 'last.ckpt'}.",
+            file=sys.stderr,
+        )
     return fresh
+
+
+def run_folder_of(checkpoint: str | Path) -> Path | None:
+    """The run folder a checkpoint was written in (``<run>/checkpoints/<name>``, beside ``run.json``)."""
+    folder = Path(checkpoint).expanduser().absolute().parent.parent
+    return folder.resolve() if (folder / RUN_RECORD).is_file() else None
 
 
 def main(args: list[str] | None = None) -> None:
@@ -246,12 +260,12 @@ def main(args: list[str] | None = None) -> None:
 
     A user-fixable error (``TandemLitError``) ends the run with one line on stderr and exit code 2.
     """
-    args = sys.argv[1:] if args is None else args
+    command = sys.argv[1:] if args is None else args
     try:
-        if args[:1] == ["export"]:  # not a Trainer method, so not a LightningCLI subcommand
-            export_main(args[1:])
+        if command[:1] == ["export"]:  # not a Trainer method, so not a LightningCLI subcommand
+            export_main(command[1:])
         else:
-            build_cli(args)
+            build_cli(args)  # (None: the command line; LightningCLI warns when given both)
     except SIGTERMException as err:  # a graceful stop: GracefulStop saved the run and said so
         raise SystemExit(128 + int(getattr(err, "signum", 15))) from None
     except Exception as err:

@@ -31,6 +31,8 @@ def start_run_record(trainer: L.Trainer, run_id: str | None) -> str:
     loggers = mlflow_loggers(trainer)
     mlflow_id = loggers[0].run_id if loggers else None
     run_id = run_id or mlflow_id or uuid.uuid4().hex
+    if trainer.world_size > 1:  # rank 0's: the others have no MLflow run and drew their own uuid
+        run_id = trainer.strategy.broadcast(run_id)
     if trainer.is_global_zero:
         folder = Path(trainer.default_root_dir)
         folder.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,10 @@
-"""Several processes: FSDP2 on two gloo processes (CPU), through the real CLI and Lightning's launcher.
+"""Several processes: FSDP2 on two gloo processes (CPU), through the real CLI, started by
+Lightning's launcher, by torchrun (one node x 2 processes; two "nodes" x 1 process: two torchrun
+launchers on 127.0.0.1) and as srun would start them (SLURM's variables).
 
 A step on two processes must equal the same step in one (loss and updated weights), resume
-exactly, and leave a checkpoint that one process can continue; files are written once.
+exactly (from one-file and from sharded checkpoints), and leave a checkpoint that one process can
+continue; files are written once.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,10 +23,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
 
-from tandem_lit.training.distributed import balance, rank_rows, reduce_metrics
+from tandem_lit.errors import ConfigError
+from tandem_lit.training.callbacks import check_checkpoint, read_checkpoint
+from tandem_lit.training.distributed import balance, check_run_folder, rank_rows, reduce_metrics
 
 REPO = Path(__file__).resolve().parents[1]
-TANDEM_LIT = Path(sys.executable).with_name("tandem-lit")
+SHARDED = ("--checkpoint.sharded", "true")
 
 # the tiny GSM8K run, made exact enough to compare: SGD with momentum (state to restore; Adam's
 # first step is sign-like, so round-off in near-zero gradients would decide it); soft-masked
@@ -33,10 +39,10 @@ SETTINGS = {
     "checkpoint": {"every_n_train_steps": 1},
     "model": {"init_args": {
         "optimizer": {"class_path": "torch.optim.SGD", "init_args": {"lr": 0.5, "momentum": 0.9}},
-        "mini_batch_size": 2,
+        "update": {"mini_batch_size": 2},
         "objective": {"class_path": "SoftMaskedReinforce"},
-        "evaluate_at_start": False,
-        "completions_every_n_steps": 1,
+        "evaluation": {"at_start": False},
+        "logging": {"completions_every_n_steps": 1},
     }},
 }
 
@@ -44,17 +50,62 @@ SETTINGS = {
 LORA = ("--model.init_args.lora", "{r: 4, alpha: 8, dropout: 0.0}")
 
 
-def run(root: Path, devices: int, updates: int, *extra: str) -> subprocess.CompletedProcess:
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without a launcher's variables; the processes import this checkout."""
+    launcher = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "TANDEM_LIT_RUN_FOLDER", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in launcher and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+    return {**env, "PYTHONPATH": os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]), **extra}
+
+
+def fit_args(root: Path, updates: int, *extra: str) -> list[str]:
     settings = root.parent / "settings.yaml"
     settings.write_text(yaml.safe_dump(SETTINGS))
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "TANDEM_LIT_RUN_FOLDER")}
+    return ["fit", "--config", "configs/gsm8k_tiny.yaml", "--config", str(settings),
+            "--trainer.default_root_dir", str(root), "--trainer.max_steps", str(updates), *extra]
+
+
+def run(root: Path, devices: int, updates: int, *extra: str) -> subprocess.CompletedProcess:
     strategy = ["--trainer.strategy", "fsdp"] if devices > 1 else []
-    command = [
-        str(TANDEM_LIT), "fit", "--config", "configs/gsm8k_tiny.yaml", "--config", str(settings),
-        "--trainer.default_root_dir", str(root), "--trainer.devices", str(devices), "--trainer.max_steps", str(updates),
-        *strategy, *extra,
-    ]
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    command = [sys.executable, "-m", "tandem_lit", *fit_args(root, updates, "--trainer.devices", str(devices), *strategy, *extra)]
+    return subprocess.run(command, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=600)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def together(commands: list[tuple[list[str], dict[str, str]]]) -> subprocess.CompletedProcess:
+    """Start the processes of one launch at once (as the nodes of a cluster would); their outputs joined."""
+    started = [subprocess.Popen(c, cwd=REPO, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c, e in commands]
+    outputs = [p.communicate(timeout=600) for p in started]
+    code = next((p.returncode for p in started if p.returncode), 0)
+    return subprocess.CompletedProcess(commands[0][0], code, "".join(o for o, _ in outputs), "".join(e for _, e in outputs))
+
+
+def torchrun(root: Path, nodes: int, per_node: int, updates: int, *extra: str) -> subprocess.CompletedProcess:
+    """``torchrun ... python -m tandem_lit fit ...`` once per node (static rendezvous on 127.0.0.1)."""
+    port = free_port()
+    return together([(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node_rank", str(node),
+         "--nproc_per_node", str(per_node), "--master_addr", "127.0.0.1", "--master_port", str(port),
+         "-m", "tandem_lit", *fit_args(root, updates, "--trainer.strategy", "fsdp", *extra)],
+        clean_env(),
+    ) for node in range(nodes)])
+
+
+def slurm_env(rank: int, tasks: int, port: int) -> dict[str, str]:
+    """The variables srun sets for task ``rank`` of a one-node job (what Lightning's SLURMEnvironment reads)."""
+    return clean_env(SLURM_NTASKS=str(tasks), SLURM_NTASKS_PER_NODE=str(tasks), SLURM_NNODES="1", SLURM_PROCID=str(rank),
+                     SLURM_LOCALID=str(rank), SLURM_NODEID="0", SLURM_JOB_ID="4242", SLURM_JOB_NAME="tandem",
+                     SLURM_NODELIST="127.0.0.1", MASTER_PORT=str(port))
+
+
+def srun(root: Path, tasks: int, updates: int, *extra: str) -> subprocess.CompletedProcess:
+    port = free_port()
+    command = [sys.executable, "-m", "tandem_lit", *fit_args(root, updates, "--trainer.strategy", "fsdp", *extra)]
+    return together([(command, slurm_env(rank, tasks, port)) for rank in range(tasks)])
 
 
 def history(root: Path) -> list[dict]:
@@ -66,7 +117,7 @@ def losses(root: Path) -> list[float]:
 
 
 def weights(path: Path) -> dict[str, torch.Tensor]:
-    return torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+    return read_checkpoint(path)["state_dict"]  # one file, or a folder of shards
 
 
 def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -97,6 +148,16 @@ def runs(tmp_path_factory):
         done["one_resumed"] = run(base / "one_resumed", 1, 4, "--ckpt_path", str(checkpoint))
         (base / "two").symlink_to(base / "two_first")  # the two-process run, 2 steps with a resume between
         (base / "two_first_losses.json").write_text(json.dumps(first))
+    # torchrun, one node x 2 processes, sharded checkpoints: 1 step; resumed in place to 2 steps
+    # as srun starts 2 tasks, and, from the same checkpoint, on one process (another world size)
+    done["torchrun_first"] = torchrun(base / "torchrun", 1, 2, 2, *SHARDED)
+    shards = base / "after_step_1_shards"
+    if (base / "torchrun" / "checkpoints" / "last.ckpt").exists():
+        shutil.copytree((base / "torchrun" / "checkpoints" / "last.ckpt").resolve(), shards)
+        done["srun_resumed"] = srun(base / "torchrun", 2, 4, *SHARDED, "--ckpt_path", str(shards))
+        done["one_from_shards"] = run(base / "one_from_shards", 1, 4, "--ckpt_path", str(shards))
+    # two "nodes" x 1 process: two torchrun launchers, node ranks 0 and 1
+    done["two_nodes"] = torchrun(base / "two_nodes", 2, 1, 4)
     for name, process in done.items():
         assert process.returncode == 0, f"{name}: {process.stderr[-3000:]}"
     return base, done
@@ -139,6 +200,171 @@ def test_files_are_written_once(runs):
     assert len(two) == len(one) > 0
     assert len({json.loads(line)["run_id"] for line in two}) == 1
     assert not (base / "two-2").exists(), "rank 1 chose a run folder of its own"
+
+
+def test_torchrun_and_srun_launches_equal_the_one_process_run(runs):
+    """torchrun 1 x 2 (sharded checkpoints) for step 1, resumed in place as srun's 2 tasks for step
+    2; torchrun on two "nodes" for both steps: losses and weights are the one-process run's."""
+    base, done = runs
+    one = losses(base / "one")
+    reference = weights(base / "one" / "checkpoints" / "last.ckpt")
+    for name in ("torchrun", "two_nodes"):
+        assert losses(base / name) == pytest.approx(one, rel=1e-5, abs=1e-7), name
+        assert_same_weights(weights(base / name / "checkpoints" / "last.ckpt"), reference)
+        rows = history(base / name)
+        assert [row["step"] for row in rows] == [2, 4] and len({row["run_id"] for row in rows}) == 1, name
+        assert not (base / f"{name}-2").exists(), f"{name}: a rank chose a run folder of its own"
+    assert "Restored all states" in done["srun_resumed"].stderr + done["srun_resumed"].stdout
+    # rank 0 alone writes: one summary line per run, not one per process
+    assert (done["two_nodes"].stdout + done["two_nodes"].stderr).count("tandem-lit: 4 updates in") == 1
+
+
+def test_a_sharded_checkpoint_is_a_folder_of_every_ranks_shards_behind_an_atomic_link(runs):
+    base, _ = runs
+    checkpoints = base / "torchrun" / "checkpoints"
+    last = checkpoints / "last.ckpt"
+    assert last.is_symlink() and last.resolve().parent == checkpoints
+    assert sorted(p.name for p in last.resolve().glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["last.ckpt", last.resolve().name]  # the step-1 folder is gone
+
+
+def test_a_sharded_checkpoint_resumes_on_one_process_and_exports(runs, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from tandem_lit.cli import main
+
+    base, _ = runs
+    assert losses(base / "one_from_shards") == pytest.approx(losses(base / "one"), rel=1e-5)
+    assert_same_weights(weights(base / "one_from_shards" / "checkpoints" / "last.ckpt"),
+                        weights(base / "one" / "checkpoints" / "last.ckpt"))
+    main(["export", str(base / "torchrun"), "--out", str(tmp_path / "hf")])
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    for name, tensor in weights(base / "torchrun" / "checkpoints" / "last.ckpt").items():
+        assert torch.equal(exported[name.removeprefix("senior.")], tensor), name
+
+
+LAUNCHES = {
+    "srun_disagrees": ({"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "1", "SLURM_PROCID": "0",
+                        "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_JOB_NAME": "tandem"},
+                       ["--trainer.devices", "3"], "the launcher started 2 process(es) on each of 1 node(s)"),
+    "torchrun_disagrees": ({"TORCHELASTIC_RUN_ID": "none", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "RANK": "0",
+                            "LOCAL_RANK": "0"}, ["--trainer.num_nodes", "3"], "trainer.num_nodes 3: leave them out"),
+    "nodes_without_launcher": ({}, ["--trainer.num_nodes", "2"], "trainer.num_nodes is 2, but no launcher started"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LAUNCHES))
+def test_a_launch_that_cannot_rendezvous_ends_in_one_line(case, tmp_path, monkeypatch, capsys):
+    from tandem_lit.cli import main
+
+    variables, extra, expected = LAUNCHES[case]
+    for name, value in clean_env(**variables).items():
+        monkeypatch.setenv(name, value)
+    for name in set(os.environ) - set(clean_env(**variables)):
+        monkeypatch.delenv(name)
+    with pytest.raises(SystemExit) as stopped:
+        main(fit_args(tmp_path / "run", 1, "--trainer.strategy", "fsdp", *extra))
+    assert stopped.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("tandem-lit")]
+    assert len(lines) == 1 and expected in lines[0], lines
+
+
+def _run_folder_worker(rank: int, world: int, port: int, root: str, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        for name, folders in (("same", [root, root]), ("different", [root, root + "-2"])):
+            Path(folders[rank]).mkdir(exist_ok=True)
+            try:
+                check_run_folder(folders[rank])
+                results[(name, rank)] = "ok"
+            except ConfigError as err:
+                results[(name, rank)] = str(err)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_that_chose_different_run_folders_all_stop_with_the_same_line(tmp_path):
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_run_folder_worker, args=(2, free_port(), str(tmp_path / "run"), results), nprocs=2)
+        outcome = dict(results)
+    assert outcome[("same", 0)] == outcome[("same", 1)] == "ok"
+    assert outcome[("different", 0)] == outcome[("different", 1)]
+    assert "the ranks chose different run folders" in outcome[("different", 0)]
+    assert not list((tmp_path).glob("run/.rank0-*"))  # the probe file is removed
+
+
+def _sharded_save_worker(rank: int, world: int, port: int, folder: str, results) -> None:
+    """Saves 1 and 2 complete; rank 0 is SIGKILLed in save 3 after every shard is on disk, before
+    the commit (the last moment a crash can hit)."""
+    import signal
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tandem_lit.models import ModelSource, load_causal_lm
+    from tandem_lit.training import sharded
+    from tandem_lit.training.distributed import shard_model
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
+    source = ModelSource(str(REPO / "configs/tiny/senior"), random_init=True, init_seed=1, dtype="float32")
+    model = shard_model(load_causal_lm(source), init_device_mesh("cpu", (world,)), bf16_compute=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    path = Path(folder) / "last.ckpt"
+
+    def barrier():
+        dist.barrier()
+
+    def broadcast(value):
+        box = [value]
+        dist.broadcast_object_list(box)
+        return box[0]
+
+    for step in (1, 2, 3):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(float(step))
+        if step == 3:
+            def save_then_die(*args, **kwargs):
+                dcp.save(*args, **kwargs)
+                if rank == 0:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            sharded.dcp = SimpleNamespace(save=save_then_die, load=dcp.load)
+        checkpoint = {"global_step": step, "state_dict": get_model_state_dict(model),
+                      "optimizer_states": [get_optimizer_state_dict(model, optimizer)], "tandem_lit": {}}
+        sharded.save_sharded(checkpoint, path, rank, broadcast, barrier)
+        results[rank] = step
+
+
+def test_a_sigkill_during_a_sharded_save_leaves_the_previous_checkpoint_loadable(tmp_path):
+    context = mp.get_context("spawn")
+    with mp.Manager() as manager:
+        results = manager.dict()
+        port = free_port()
+        workers = [context.Process(target=_sharded_save_worker, args=(r, 2, port, str(tmp_path), results)) for r in range(2)]
+        for worker in workers:
+            worker.start()
+        workers[0].join(120)
+        workers[1].join(40)  # its collective fails once rank 0 is gone (or times out)
+        for worker in workers:
+            if worker.is_alive():
+                worker.kill()
+                worker.join()
+        reached = dict(results)
+    assert workers[0].exitcode == -9 and reached.get(0) == 2  # killed during save 3
+    last = tmp_path / "last.ckpt"
+    assert os.readlink(last).startswith("last.ckpt.2-")  # the link never moved to save 3
+    checkpoint = read_checkpoint(last)
+    assert checkpoint["global_step"] == 2 and checkpoint["state_dict"]
+    assert all(torch.all(t == 2.0) for t in checkpoint["state_dict"].values())
+    assert len(list(tmp_path.glob(".last.ckpt.3-*.partial"))) == 1  # save 3's shards, never committed
+    assert not list(tmp_path.glob("last.ckpt.1-*"))  # save 2 replaced save 1 and removed it
+    check_checkpoint(str(last))  # what --ckpt_path checks before a resume
 
 
 def test_a_batch_that_does_not_split_over_the_processes_is_refused(tmp_path):

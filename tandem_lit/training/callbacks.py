@@ -23,6 +23,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from tandem_lit.errors import ConfigError
 from tandem_lit.runs import log_artifact
+from tandem_lit.training.sharded import META, is_sharded_checkpoint, read_sharded
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +49,14 @@ def unreadable_checkpoint(path, err: BaseException) -> ConfigError:
 
 
 def check_checkpoint(path: str) -> None:
-    """A checkpoint to resume from exists and its index reads (memory-mapped: no tensor is read)."""
-    if not Path(path).expanduser().is_file():
+    """A checkpoint to resume from exists and its index reads (memory-mapped: no tensor is read);
+    a sharded checkpoint (a folder) has its shards' index and its metadata."""
+    path = str(Path(path).expanduser())
+    if Path(path).is_dir():
+        if not is_sharded_checkpoint(path):
+            raise unreadable_checkpoint(path, ValueError("a folder without .metadata and meta.pt"))
+        path = str(Path(path) / META)
+    elif not Path(path).is_file():
         raise ConfigError(
             f"--ckpt_path {path} does not exist. Resume from <run folder>/checkpoints/last.ckpt, or leave "
             "--ckpt_path out to start a new run."
@@ -60,6 +67,13 @@ def check_checkpoint(path: str) -> None:
         raise unreadable_checkpoint(path, err) from None
 
 
+def read_checkpoint(path) -> dict[str, Any]:
+    """A checkpoint's contents with full tensors, from one file (memory-mapped) or a sharded folder."""
+    if is_sharded_checkpoint(path):
+        return read_sharded(path)
+    return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Write the checkpoint beside its target, fsync, then rename over it: a crash leaves either
     the old file or the new one, never a torn file (Lightning's own path may copy from /tmp).
@@ -67,6 +81,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     def load_checkpoint(self, path, *args: Any, **kwargs: Any) -> dict[str, Any]:
         try:
+            if is_sharded_checkpoint(path):  # written by several processes, resumed on one
+                return read_sharded(path)
             return super().load_checkpoint(path, *args, **kwargs)
         except CHECKPOINT_READ_ERRORS as err:
             raise unreadable_checkpoint(path, err) from None
@@ -94,11 +110,29 @@ class ResumeCheckpoint(ModelCheckpoint):
 
     A step followed by a validation is saved after that validation, so the checkpoint holds its
     rows: a run killed during the validation resumes from the checkpoint before and redoes the
-    step and its validation, instead of skipping the validation for good."""
+    step and its validation, instead of skipping the validation for good.
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    Args:
+        sharded: Every process writes its own shards of the weights and optimizer state, in
+            parallel, into one folder per checkpoint (``trainer.strategy: fsdp``; faster for a large
+            senior); default: one file of full tensors gathered to rank 0. Either resumes on any
+            number of processes and exports.
+    """
+
+    def __init__(self, *args: Any, sharded: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.sharded = sharded
         self._after_validation: tuple | None = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if self.sharded and stage == "fit":
+            if not hasattr(trainer.strategy, "sharded_checkpoints"):
+                raise ConfigError(
+                    f"checkpoint.sharded needs trainer.strategy: fsdp (it is {type(trainer.strategy).__name__}): "
+                    "one process writes one file; leave checkpoint.sharded out"
+                )
+            trainer.strategy.sharded_checkpoints = True
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
         loop = trainer.fit_loop.epoch_loop

@@ -22,8 +22,11 @@ How a step runs on W ranks (``TandemModule`` calls the helpers below):
 from __future__ import annotations
 
 import functools
+import os
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,6 +38,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_f
 from tandem_lit.errors import ConfigError
 from tandem_lit.rollout.logprobs import last_hidden_state
 from tandem_lit.rollout.weights import is_sharded, plain_model
+from tandem_lit.training.sharded import is_sharded_checkpoint, load_sharded_into, remove_sharded, save_sharded
 
 # metrics that add up over ranks (counts, throughput) or take the largest; the rest are means
 # (``loss``: each rank's part of the batch-wide normalised loss)
@@ -45,12 +49,36 @@ LARGEST = {"peak_memory_gb"}
 class FSDP2Strategy(ModelParallelStrategy):
     """Lightning's FSDP2 strategy with one data-parallel group of every process (no tensor
     parallelism). Checkpoints are one file of full weights and optimizer state, gathered to rank 0
-    and written atomically, so that a checkpoint loads on any number of processes and exports to a
-    Hugging Face folder (sharded checkpoints are not offered: our atomic writes and checks are
-    per file)."""
+    and written atomically; with ``sharded_checkpoints`` (``checkpoint.sharded: true``) a folder
+    in which every rank writes its own shards (``training/sharded.py``). Either loads on any number
+    of processes and exports to a Hugging Face folder."""
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(data_parallel_size="auto", tensor_parallel_size=1, save_distributed_checkpoint=False, **kwargs)
+    def __init__(self, sharded_checkpoints: bool = False, **kwargs: Any) -> None:
+        super().__init__(data_parallel_size="auto", tensor_parallel_size=1, save_distributed_checkpoint=sharded_checkpoints,
+                         **kwargs)
+
+    @property
+    def sharded_checkpoints(self) -> bool:
+        return self._save_distributed_checkpoint
+
+    @sharded_checkpoints.setter
+    def sharded_checkpoints(self, value: bool) -> None:
+        self._save_distributed_checkpoint = value  # what Lightning's state-dict getters read
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any = None) -> None:
+        if not self.sharded_checkpoints:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        save_sharded(checkpoint, Path(self.broadcast(str(filepath))), self.global_rank, self.broadcast, self.barrier)
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if is_sharded_checkpoint(path):
+            return load_sharded_into(path, self.lightning_module, self.optimizers)
+        return super().load_checkpoint(path, weights_only)
+
+    def remove_checkpoint(self, filepath) -> None:
+        if self.is_global_zero:
+            remove_sharded(filepath)
 
     def setup_environment(self) -> None:
         self._data_parallel_size = self.num_nodes * self.num_processes
@@ -63,6 +91,78 @@ class FSDP2Strategy(ModelParallelStrategy):
         senior is then sharded where it is, the junior stays whole."""
         with torch.device(self.root_device), self.precision_plugin.tensor_init_context():
             yield
+
+
+def external_launch() -> tuple[int, int] | None:
+    """(processes per node, nodes) when a launcher started this process with the others (torchrun,
+    or SLURM's srun: the environments Lightning's TorchElasticEnvironment and SLURMEnvironment
+    read), else None (Lightning starts the processes itself)."""
+    env = os.environ
+    if "TORCHELASTIC_RUN_ID" in env and "WORLD_SIZE" in env:
+        world, local = int(env["WORLD_SIZE"]), int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"]))
+        return local, max(world // local, 1)
+    if "SLURM_NTASKS" in env and env.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
+        world = int(env["SLURM_NTASKS"])
+        nodes = int(env.get("SLURM_NNODES", "1"))
+        local = int(env.get("SLURM_NTASKS_PER_NODE", str(world // nodes)).split("(")[0])
+        return local, nodes
+    return None
+
+
+def launch_settings(devices: Any, num_nodes: int) -> tuple[Any, int]:
+    """``trainer.devices`` and ``trainer.num_nodes`` for this launch: an external launcher's
+    (where the config leaves them at 1 or "auto", or agrees), or the config's as they are. A
+    config that disagrees with the launcher, or asks for several nodes without one, is refused
+    with one line (else the processes would wait for a rendezvous that never completes)."""
+    launched = external_launch()
+    if launched is None:
+        if num_nodes > 1:
+            raise ConfigError(
+                f"trainer.num_nodes is {num_nodes}, but no launcher started this process: start every node's "
+                "processes with torchrun or srun (docs/distributed.md), or set trainer.num_nodes: 1"
+            )
+        return devices, num_nodes
+    local, nodes = launched
+    if devices not in (1, "1", "auto", local, str(local)) or num_nodes not in (1, nodes):
+        raise ConfigError(
+            f"the launcher started {local} process(es) on each of {nodes} node(s), but the config asks for "
+            f"trainer.devices {devices} and trainer.num_nodes {num_nodes}: leave them out (the launcher's count is "
+            f"used) or set --trainer.devices {local} --trainer.num_nodes {nodes}"
+        )
+    return local, nodes
+
+
+def launch_rank() -> int:
+    """This process's global rank as its launcher set it (torchrun, srun, or Lightning's own
+    launcher on one node; 0 for the first or only process), before any process group exists."""
+    env = os.environ
+    return int(env.get("RANK", env.get("SLURM_PROCID", env.get("LOCAL_RANK", "0"))))
+
+
+def check_run_folder(folder: str | Path) -> None:
+    """Every rank writes to one run folder: the same path on every rank, on a file system they all
+    see (rank 0 writes the files, every rank its shards of a sharded checkpoint). Each rank looks
+    for a file rank 0 just wrote; all ranks decide together, so none is left waiting."""
+    folder = Path(folder)
+    token = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(token)
+    probe = folder / f".rank0-{token[0]}"
+    if dist.get_rank() == 0:
+        probe.write_text("")
+    dist.barrier()
+    views: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(views, (str(folder.resolve()), probe.exists()))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        probe.unlink(missing_ok=True)
+    folders = {path for path, _ in views}
+    if len(folders) > 1:
+        raise ConfigError(f"the ranks chose different run folders ({sorted(folders)}): pass --trainer.default_root_dir "
+                          "the same folder on every node")
+    blind = [rank for rank, (_, seen) in enumerate(views) if not seen]
+    if blind:
+        raise ConfigError(f"rank(s) {blind} cannot see the files rank 0 writes in {folder}: put the run folder on a file "
+                          "system every node shares")
 
 
 def shard_model(model: nn.Module, mesh, bf16_compute: bool) -> nn.Module:
@@ -89,6 +189,7 @@ def check_several_processes(senior: nn.Module, trainer, mini_batch_size: int | N
     """What must hold for W ranks to take equal shares of every step (``rank_rows``);
     ``single_process_only``: settings (name: value) that need one process when set."""
     world = trainer.world_size
+    check_run_folder(trainer.default_root_dir)
     if not is_sharded(senior):
         raise ConfigError(
             f"{world} processes with trainer.strategy {type(trainer.strategy).__name__}: tandem-lit trains on "

@@ -7,7 +7,7 @@ The run's own ``config.yaml`` rebuilds the module (the same models, LoRA setting
 the checkpoint's trained tensors are loaded into it; the senior is written the way the rollout
 engine sees it (``rollout_named_tensors``: LoRA adapters merged, a 4-bit base dequantised) into a
 plain model of its architecture, with the tokenizer and generation config. A checkpoint written by
-any number of processes exports the same way (it holds full tensors). The folder loads with
+any number of processes exports the same way (one file of full tensors, or a folder of shards). The folder loads with
 ``AutoModelForCausalLM.from_pretrained`` and serves as ``senior.path`` / ``junior.path``.
 """
 
@@ -17,12 +17,11 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
 import yaml
 
 from tandem_lit.errors import ConfigError
 from tandem_lit.rollout.weights import ROLLOUT_DTYPES, build_rollout_copy, load_named_tensors, rollout_named_tensors
-from tandem_lit.training.callbacks import check_checkpoint
+from tandem_lit.training.callbacks import check_checkpoint, read_checkpoint
 
 
 def export_run(build_module: Callable[[Path], object], run_folder: str | Path, ckpt_path: str | Path | None = None,
@@ -48,7 +47,7 @@ def export_run(build_module: Callable[[Path], object], run_folder: str | Path, c
         resolved.write_text(yaml.safe_dump(settings))
         module = build_module(resolved)
     module.configure_model()
-    checkpoint = torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=False)
+    checkpoint = read_checkpoint(ckpt_path)
     module.on_load_checkpoint(checkpoint)  # names the mismatch if the checkpoint is another model's
     module.load_state_dict(checkpoint["state_dict"], strict=False)
     senior = module.senior
