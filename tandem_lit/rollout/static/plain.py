@@ -196,7 +196,7 @@ class StaticDecoderModel:
         x = self.embed.weight[token]  # [B, H], the residual stream (updated in place)
         delta = None
         for i, layer in enumerate(self.layers):
-            h = kernels.add_rmsnorm(x, delta, layer.input_norm.weight, eps_of(layer.input_norm))
+            h = kernels.add_rms_norm(x, delta, layer.input_norm.weight, eps_of(layer.input_norm))
             attended = kernels.rope_attention(
                 *layer.project_qkv(h),
                 layer.q_norm.weight if layer.q_norm is not None else None,
@@ -206,6 +206,6 @@ class StaticDecoderModel:
                 self.scaling, self.heads, self.kv_heads, self.head_dim,
             )
             delta = layer.o(attended)
-            h = kernels.add_rmsnorm(x, delta, layer.post_norm.weight, eps_of(layer.post_norm))
+            h = kernels.add_rms_norm(x, delta, layer.post_norm.weight, eps_of(layer.post_norm))
             delta = layer.down(kernels.silu_mul(*layer.mlp_inputs(h)))
-        return self.lm_head(kernels.add_rmsnorm(x, delta, self.final_norm.weight, eps_of(self.final_norm)))
+        return self.lm_head(kernels.add_rms_norm(x, delta, self.final_norm.weight, eps_of(self.final_norm)))
