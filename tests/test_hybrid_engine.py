@@ -146,7 +146,7 @@ def test_the_triton_step_equals_the_torch_step(tokenizer, models):
     torch.testing.assert_close(layer.state, expected_states[1], rtol=1e-4, atol=1e-4)
     # a gated full-attention layer: the one-kernel step against the torch step, caches included
     index, attention = next((i, m) for i, (_, m, _) in enumerate(model.blocks) if not isinstance(m, _DeltaLayer))
-    slot, kv_len = torch.tensor([5], device="cuda"), 6
+    slot, kv_len = torch.tensor([5, 5, 5], device="cuda"), 6  # each row its own cache slot (here the same)
     position = torch.tensor([5, 3, 4], device="cuda")
     valid = torch.ones(3, 8, dtype=torch.bool, device="cuda")
     valid[1, :2] = False  # a left-padded row

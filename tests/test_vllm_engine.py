@@ -342,20 +342,20 @@ def teacher_forced(senior, rollout, temperature: float = 1.0):  # -> [B, T] each
     return logp.gather(-1, rollout.completion_ids.unsqueeze(-1)).squeeze(-1), logp.max(-1).values
 
 
-def assert_greedy_of(senior, rollout):
+def assert_greedy_of(senior, rollout, logprob_atol: float = NEAR_TIE):
     """Every written token is the senior's argmax (up to a near-tie), with the senior's log-prob."""
     chosen, best = teacher_forced(senior, rollout)
     written = rollout.completion_mask
     assert (chosen[written] >= best[written] - NEAR_TIE).all(), "vLLM wrote a token the senior does not rank first"
-    torch.testing.assert_close(rollout.senior_logprobs[written], chosen[written], atol=NEAR_TIE, rtol=1e-3)
+    torch.testing.assert_close(rollout.senior_logprobs[written], chosen[written], atol=logprob_atol, rtol=1e-3)
 
 
-def assert_same_greedy(expected, got, senior):
+def assert_same_greedy(expected, got, senior, logprob_atol: float = NEAR_TIE):
     """``got`` is vLLM's greedy rollout of ``senior``; equal to ``expected`` (another engine's) token
     for token unless a near-tie broke the other way (then the rows part there, and are reported)."""
-    assert_greedy_of(senior, got)
+    assert_greedy_of(senior, got, logprob_atol)
     if torch.equal(expected.completion_ids.cpu(), got.completion_ids.cpu()):
-        assert_same_rollouts(expected, got, logprob_atol=NEAR_TIE)
+        assert_same_rollouts(expected, got, logprob_atol=logprob_atol)
     else:
         same = (expected.completion_ids.cpu() == got.completion_ids.cpu()).all(-1).tolist()
         print(f"rows equal to the other engine's: {same} (the others part at a near-tie)")
@@ -420,6 +420,8 @@ def test_gpu_release_frees_memory_and_new_weights_are_decoded(gpu_setup, tokeniz
     engine.load_weights(rollout_named_tensors(senior))
     after = engine.generate(prompts, SoloHandoff(), greedy)
     assert not torch.equal(before.completion_ids, after.completion_ids), "the update should change greedy output"
-    assert_same_greedy(reference.generate(prompts, SoloHandoff(), greedy), after, senior)
+    # weights moved by 0.5 per entry give logits some tens of nats wide, where vLLM's TF32
+    # attention is off by up to ~0.012 nats (H200, 2026-12-02): tokens must still be the argmax
+    assert_same_greedy(reference.generate(prompts, SoloHandoff(), greedy), after, senior, logprob_atol=0.05)
     engine.load_weights(rollout_named_tensors(senior))  # awake this time: the prefix cache is reset
     assert_same_rollouts(after, engine.generate(prompts, SoloHandoff(), greedy), logprob_atol=1e-5)

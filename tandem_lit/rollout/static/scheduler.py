@@ -13,13 +13,13 @@ from __future__ import annotations
 from collections import deque
 
 
-def batch_ladder(capacity: int) -> list[int]:
-    """Batch sizes a decode step is captured for, ascending: powers of two below ``capacity``,
-    then ``capacity`` itself. Compaction halves the work at most once per power of two."""
-    sizes, size = [], 1
-    while size < capacity:
-        sizes.append(size)
-        size *= 2
+def batch_ladder(capacity: int, step: int = 8) -> list[int]:
+    """Batch sizes a decode step is captured for, ascending: 1, 2, 4, then multiples of ``step``
+    below ``capacity``, then ``capacity`` itself. Rungs ``step`` apart, not powers of two: a
+    batch that waits for half its rows to finish before shrinking pays for up to half of it idle
+    (77% of the row-steps were live at 64 lognormal sequences on an H200, power-of-two rungs)."""
+    sizes = [size for size in (1, 2, 4) if size < min(step, capacity)]
+    sizes += range(step, capacity, step)
     return [*sizes, capacity]
 
 
