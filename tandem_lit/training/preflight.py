@@ -16,13 +16,10 @@ measures: each ends the run with one line naming the setting and the fix.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Literal
+from typing import Any, Literal
 
 from tandem_lit.errors import ConfigError
 from tandem_lit.rollout.record import Author
-
-if TYPE_CHECKING:
-    from tandem_lit.training.module import TandemModule
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +84,7 @@ def check_budget(setting: str, budget: int, prompt: int, data: str, role: str, n
     )
 
 
-def longest_prompts(module: TandemModule, rows: list[dict], limit: int | None) -> dict[str, int]:
+def longest_prompts(module: Any, rows: list[dict], limit: int | None) -> dict[str, int]:
     """The longest formatted prompt of ``rows`` for each model (prompts over ``limit`` are skipped
     by training, so they do not count)."""
     if not rows:
@@ -111,7 +108,7 @@ def longest_prompts(module: TandemModule, rows: list[dict], limit: int | None) -
     return longest
 
 
-def phases(module: TandemModule, stage: Stage) -> list[tuple[str, int, str, set[str], str]]:
+def phases(module: Any, stage: Stage) -> list[tuple[str, int, str, set[str], str]]:
     """(setting, budget, split, models that read the rollouts, fix for long prompts) of each phase ``stage`` runs."""
     evaluation = module.evaluation
     eval_roles = {"senior"} if "senior" in evaluation.modes else set()
@@ -136,8 +133,8 @@ def phases(module: TandemModule, stage: Stage) -> list[tuple[str, int, str, set[
     return [("evaluation.sampling.max_new_tokens", evaluation.sampling.max_new_tokens, "test", eval_roles, shorten)]
 
 
-def check(module: TandemModule, stage: Stage) -> None:
-    """Everything above for ``stage``, before its first step (every rank runs it: each reads the
+def check(module: Any, stage: Stage) -> None:
+    """Everything above for a TandemModule's ``stage``, before its first step (every rank runs it: each reads the
     same data and models)."""
     names = {"senior": module.senior_source.path, "junior": getattr(module.junior_source, "path", "")}
     check_vocabularies(module.senior, module.junior, module.tokenizer, module.junior_tokenizer, names)
