@@ -24,7 +24,7 @@ from jsonargparse import Namespace
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.io import TorchCheckpointIO
-from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
 import tandem_lit.data  # noqa: F401  (short class_path names)
 import tandem_lit.data.sft_data  # noqa: F401
@@ -140,7 +140,11 @@ class TandemCLI(LightningCLI):
         callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
         if trainer_config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
             trainer_config["callbacks"] = [*callbacks, TandemProgressBar()]
-        trainer = super().instantiate_trainer(**kwargs)
+        try:
+            trainer = super().instantiate_trainer(**kwargs)
+        except (MisconfigurationException, ModuleNotFoundError) as err:  # accelerator, devices, strategy, ... refused
+            # (a ModuleNotFoundError here: the accelerator or strategy chosen needs a package, e.g. torch_xla)
+            raise ConfigError(refused_trainer_settings(err, trainer_config)) from None
         best = self._get(self.config_init, "best_checkpoint")
         if best is not None and best.monitor is None:  # no metric to select by: no best checkpoint
             trainer.callbacks = [c for c in trainer.callbacks if c is not best]
@@ -201,6 +205,11 @@ def configure_logs() -> None:
     # we want the post-update state in a checkpoint (global_step counts updates already made)
     warnings.filterwarnings("ignore", message=r".*ModelCheckpoint with manual optimization.*")
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*", module=r"lightning\..*")
+    # main(args=[...]) and build_cli(args) are the programmatic API: the arguments given are the run's,
+    # whatever the host process's own argv (pytest's, a notebook's) holds
+    warnings.filterwarnings("ignore", message=r"LightningCLI's args parameter is intended", module=r"lightning\..*")
+    # accelerator: cpu on a machine with a GPU is a choice the config made
+    warnings.filterwarnings("ignore", message=r"GPU available but not used", module=r"lightning\..*")
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # read when mlflow configures its loggers
     logging.getLogger("mlflow").setLevel(logging.WARNING)  # in case it already has
     from transformers.utils import logging as transformers_logging
@@ -216,11 +225,18 @@ def configure_logs() -> None:
 
 class _StderrNow(logging.StreamHandler):
     """Writes to whatever ``sys.stderr`` is at the time (main() may run several times in one
-    process, each with its own stderr, e.g. under pytest's capture)."""
+    process, each with its own stderr, e.g. under pytest's capture), on a line of its own above
+    the progress bar."""
 
     @property
     def stream(self):
         return sys.stderr
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
+        with tqdm.external_write_mode(file=sys.stderr):  # clears the progress bar, writes, redraws it
+            super().emit(record)
 
     @stream.setter
     def stream(self, value) -> None:  # StreamHandler.__init__ assigns it
@@ -265,14 +281,16 @@ def main(args: list[str] | None = None) -> None:
         if command[:1] == ["export"]:  # not a Trainer method, so not a LightningCLI subcommand
             export_main(command[1:])
         else:
-            build_cli(args)  # (None: the command line; LightningCLI warns when given both)
+            build_cli(args)  # (None: LightningCLI reads sys.argv itself; it warns when given both)
     except SIGTERMException as err:  # a graceful stop: GracefulStop saved the run and said so
         raise SystemExit(128 + int(getattr(err, "signum", 15))) from None
     except Exception as err:
         cause = user_error(err)
-        if os.environ.get("TANDEM_LIT_TRACEBACK") or (cause is None and not isinstance(err, argparse.ArgumentError)):
+        message = str(cause) if cause is not None else refused_by_dependency(err)
+        if message is None and isinstance(err, argparse.ArgumentError):
+            message = config_error_line(err)
+        if os.environ.get("TANDEM_LIT_TRACEBACK") or message is None:
             raise
-        message = str(cause) if cause is not None else config_error_line(err)
         print(f"tandem-lit: error: {message}", file=sys.stderr)
         raise SystemExit(2) from None
 
@@ -304,6 +322,38 @@ def config_error_line(err: argparse.ArgumentError) -> str:
              "Expected a <class 'NoneType'>")
     parts = [line.strip(" -") for line in str(err).splitlines() if line.strip() and not line.strip(" -").startswith(noise)]
     return " ".join(parts) + " (--help lists the options; --print_config shows the resolved config)"
+
+
+def refused_trainer_settings(err: Exception, trainer_config) -> str:
+    """Lightning's refusal of the trainer section, as one line naming the settings it judged."""
+    names = ("accelerator", "devices", "num_nodes", "strategy", "precision")
+    chosen = ", ".join(f"{name}={trainer_config.get(name)!r}" for name in names if trainer_config.get(name) is not None)
+    reason = str(err).strip().splitlines()[0].rstrip(".!") if str(err).strip() else type(err).__name__
+    return (f"the trainer settings ({chosen}) were refused: {reason}. Change them in the config's trainer section or "
+            "with --trainer.<name> (--print_config shows the resolved config)")
+
+
+def refused_by_dependency(err: BaseException) -> str | None:
+    """One line for an error a dependency raised on a setting before any of our code ran in that
+    call: Lightning's MisconfigurationException from its own loops and connectors (e.g. a
+    ``val_check_interval`` longer than an epoch). The same exception raised under a tandem_lit
+    hook or step is our misuse of Lightning, a bug: None, and the traceback is shown."""
+    if not isinstance(err, MisconfigurationException) or raised_under_our_code(err):
+        return None
+    reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return f"Lightning refused a setting: {reason} (--print_config shows the resolved config)"
+
+
+def raised_under_our_code(err: BaseException) -> bool:
+    """Whether a frame of tandem_lit other than this file is on the traceback of ``err``."""
+    package = Path(__file__).resolve().parent
+    frame = err.__traceback__
+    while frame is not None:
+        path = Path(frame.tb_frame.f_code.co_filename).resolve()
+        if package in path.parents and path != Path(__file__).resolve():
+            return True
+        frame = frame.tb_next
+    return False
 
 
 def user_error(err: BaseException | None) -> TandemLitError | None:

@@ -159,3 +159,136 @@ def test_a_run_killed_during_validation_redoes_that_validation_on_resume(tmp_pat
     history = [json.loads(line) for line in (root / "history.jsonl").read_text().splitlines()]
     assert [r["step"] for r in history if "train/loss" in r] == [1, 2, 3, 4]
     assert [r["step"] for r in history if "eval/senior_accuracy" in r] == [2, 4]
+
+
+# -- bad inputs of the second pass: each ends in one line naming the input and the fix -----------------
+
+
+def junior_with_vocabulary(tmp, rows: int) -> str:
+    """configs/tiny/junior (the senior's character tokenizer) with ``rows`` embedding rows."""
+    import shutil
+
+    folder = tmp / f"junior_{rows}"
+    shutil.copytree("configs/tiny/junior", folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "vocab_size": rows}))
+    return str(folder)
+
+
+def latin1_data(tmp) -> str:
+    folder = tmp / "latin1"
+    folder.mkdir()
+    good = json.dumps({"question": "What is 1+1?", "answer": "1+1=2\n#### 2"})
+    (folder / "train.jsonl").write_bytes((good + "\n" + good.replace("What", "Caf\u00e9: what") + "\n").encode("latin-1"))
+    return str(folder)
+
+
+def folder_for_a_file(tmp) -> str:
+    (tmp / "data" / "train.jsonl").mkdir(parents=True)
+    return str(tmp / "data")
+
+
+NEW_KINDS = {
+    "budget_past_context": (lambda tmp: ["--model.init_args.rollout.sampling.max_new_tokens", "5000"],
+                            "rollout.sampling.max_new_tokens 5000 plus the longest training prompt"),
+    "validation_budget_past_context": (lambda tmp: ["--model.init_args.evaluation.sampling.max_new_tokens", "3000",
+                                                    "--model.init_args.evaluation.at_start", "true"],
+                                       "evaluation.sampling.max_new_tokens 3000 plus the longest validation prompt"),
+    "junior_vocabulary_short_of_the_tokenizer": (lambda tmp: ["--model.init_args.junior.path", junior_with_vocabulary(tmp, 80)],
+                                                 "has 80 vocabulary rows (vocab_size) but its tokenizer has 100 tokens"),
+    "dataset_not_utf8": (lambda tmp: ["--data.init_args.source", latin1_data(tmp), "--data.init_args.val_size", "0"],
+                         "train.jsonl, line 2: not valid UTF-8 (byte 0xe9"),
+    "dataset_file_is_a_folder": (lambda tmp: ["--data.init_args.source", folder_for_a_file(tmp)], "cannot be read"),
+    "optimizer_refuses_its_settings": (lambda tmp: ["--model.init_args.optimizer.init_args.lr", "-1"],
+                                       "the optimizer refused its settings: Invalid learning rate: -1.0"),
+    "trainer_refuses_devices": (lambda tmp: ["--trainer.devices", "0"], "the trainer settings (accelerator='cpu', devices='0'"),
+}
+
+
+def assert_one_error_line(err: str, expected: str) -> None:
+    errors = [line for line in err.splitlines() if line.startswith("tandem-lit: error:")]
+    assert len(errors) == 1, err
+    assert expected in errors[0], errors[0]
+    assert err.rstrip().splitlines()[-1] == errors[0]
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("case", sorted(NEW_KINDS))
+def test_a_bad_input_of_a_new_kind_is_one_line_and_exit_code_2(tmp_path, capsys, case):
+    make_args, expected = NEW_KINDS[case]
+    args = make_args(tmp_path)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        fit(tmp_path / "run", "--trainer.max_steps", "1", *args)
+    assert info.value.code == 2
+    assert_one_error_line(capsys.readouterr().err, expected)
+
+
+def test_tandem_lit_test_refuses_a_budget_past_the_context_and_a_checkpoint_of_another_model(tmp_path, capsys):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    test = ["test", "--config", "configs/gsm8k_tiny.yaml", "--trainer.default_root_dir", str(tmp_path / "run"), *FAST[:6]]
+    with pytest.raises(SystemExit) as info:
+        main(args=[*test, "--model.init_args.evaluation.test_sampling.max_new_tokens", "3000"])
+    assert info.value.code == 2
+    assert_one_error_line(capsys.readouterr().err, "evaluation.test_sampling.max_new_tokens 3000 plus the longest test prompt")
+
+    def checkpoint_of(config, name: str):
+        other = AutoModelForCausalLM.from_config(config)
+        state = {f"senior.{key}": p.detach() for key, p in other.named_parameters()}
+        torch.save({"state_dict": state, "pytorch-lightning_version": L.__version__,
+                    "tandem_lit": {"trainable_keys": sorted(state), "history": [], "run_id": None}}, tmp_path / name)
+        return str(tmp_path / name)
+
+    wider = AutoConfig.from_pretrained("configs/tiny/senior")
+    wider.intermediate_size *= 2
+    for path, expected in (
+        (checkpoint_of(AutoConfig.from_pretrained("configs/tiny/junior"), "junior.ckpt"), "9 trainable tensors missing"),
+        (checkpoint_of(wider, "wider.ckpt"), "senior.model.layers.0.mlp.gate_proj.weight is ["),
+    ):
+        with pytest.raises(SystemExit) as info:
+            main(args=[*test, "--ckpt_path", path])
+        assert info.value.code == 2
+        assert_one_error_line(capsys.readouterr().err, f"checkpoint does not match this model: {expected}")
+
+
+def test_a_pair_sharing_a_tokenizer_may_differ_only_in_rows_never_sampled(caplog):
+    """Checkpoints pad their embeddings (Qwen2.5's 0.5B and 7B: 151,936 and 152,064 rows over one
+    tokenizer of 151,665 tokens); the rows past the tokenizer are said once and never sampled."""
+    import logging
+
+    from conftest import tiny_llama
+
+    from tandem_lit.models.tiny import char_tokenizer
+    from tandem_lit.training import preflight
+
+    tokenizer = char_tokenizer("abcde .\n")
+    senior, junior = tiny_llama(len(tokenizer), seed=0), tiny_llama(len(tokenizer) + 64, seed=1)
+    with caplog.at_level(logging.INFO, logger="tandem_lit"):
+        preflight.check_vocabularies(senior, junior, tokenizer, tokenizer, {"senior": "s", "junior": "j"})
+    assert f"rows past id {len(tokenizer) - 1} are never sampled" in caplog.text
+    with pytest.raises(preflight.ConfigError, match=f"has {len(tokenizer) - 1} vocabulary rows"):
+        preflight.check_vocabularies(senior, tiny_llama(len(tokenizer) - 1, seed=1), tokenizer, tokenizer,
+                                     {"senior": "s", "junior": "j"})
+
+
+def test_a_real_bug_keeps_its_traceback_and_lightning_refusals_under_our_code_are_bugs(tmp_path, monkeypatch):
+    """The boundary turns dependencies' refusals of a setting into one line only where no code of
+    ours ran under the call: a MisconfigurationException raised inside a tandem_lit hook is our
+    misuse of Lightning, and keeps its traceback."""
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    from tandem_lit import cli
+    from tandem_lit.training import preflight
+
+    def refuse(*args, **kwargs):
+        raise MisconfigurationException("you called self.optimizers() wrongly")
+
+    monkeypatch.setattr(preflight, "check", refuse)
+    with pytest.raises(MisconfigurationException):
+        main(args=["fit", "--config", "configs/gsm8k_tiny.yaml", "--trainer.default_root_dir", str(tmp_path), *FAST,
+                   "--trainer.max_steps", "1"])
+    try:
+        raise MisconfigurationException("`val_check_interval` (9) must be less than or equal to the number of batches")
+    except MisconfigurationException as err:
+        assert cli.refused_by_dependency(err).startswith("Lightning refused a setting: `val_check_interval` (9)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -314,24 +315,29 @@ out["strays"] = [p for p in mine if sandbox.DRIVER_MARK.encode() in open(f"/proc
 print(json.dumps(out))
 """
 
-# Root starts the unprivileged run: in a private mount namespace, the interpreter (which may live
-# under /root, unreadable to others) is bound into a tmpfs laid over its closed ancestor.
+NOBODY = 65534
+NOBODY_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/tmp"}
+
+# Root starts the unprivileged run when `nobody` cannot reach the interpreter (pyenv under /root, a
+# home folder of mode 0700): in a private mount namespace, a tmpfs is laid over the first closed
+# folder above the interpreter's installation and the installation is bound back into it.
 AS_NOBODY = r"""
-import ctypes, os, sys
+import ctypes, os, stat, sys
 libc = ctypes.CDLL(None, use_errno=True)
 libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
 def check(ok, what):
-    if ok != 0:
-        raise OSError(ctypes.get_errno(), what)
+    if ok != 0:  # (no CAP_SYS_ADMIN, e.g. an unprivileged container's root)
+        sys.exit(f"cannot mount: {what}: {os.strerror(ctypes.get_errno())}")
 prefix = os.path.realpath(sys.base_prefix)
-check(libc.unshare(0x00020000), "unshare")
-check(libc.mount(None, b"/", None, (1 << 14) | (1 << 18), None), "private")
-top = "/" + prefix.split("/")[1]
-if not os.stat(top).st_mode & 0o001:
+ancestors = ["/" + "/".join(prefix.split("/")[1:i]) for i in range(2, prefix.count("/") + 1)]
+closed = next((folder for folder in ancestors if not os.stat(folder).st_mode & stat.S_IXOTH), None)
+check(libc.unshare(0x00020000), "unshare(CLONE_NEWNS)")
+check(libc.mount(None, b"/", None, (1 << 14) | (1 << 18), None), "mount --make-rprivate /")
+if closed is not None:
     fd = os.open(prefix, os.O_PATH)
-    check(libc.mount(b"tmpfs", top.encode(), b"tmpfs", 0, b"mode=0755"), "tmpfs")
+    check(libc.mount(b"tmpfs", closed.encode(), b"tmpfs", 0, b"mode=0755"), f"mount tmpfs on {closed}")
     os.makedirs(prefix)
-    check(libc.mount(f"/proc/self/fd/{fd}".encode(), prefix.encode(), None, 4096 | (1 << 14), None), "bind")
+    check(libc.mount(f"/proc/self/fd/{fd}".encode(), prefix.encode(), None, 4096 | (1 << 14), None), f"bind {prefix}")
 os.setgroups([])
 os.setresgid(65534, 65534, 65534)
 os.setresuid(65534, 65534, 65534)
@@ -340,14 +346,51 @@ os.execve(sys.executable, [sys.executable, "-I", "-c", sys.argv[1], sys.argv[2]]
 """
 
 
+def why_nobody_cannot_run(python: str) -> str | None:
+    """None when `nobody` can exec ``python`` and import what the test body needs, else why not."""
+    try:
+        done = subprocess.run([python, "-I", "-c", "import ctypes, json, socket"], user=NOBODY, group=NOBODY,
+                              extra_groups=[], cwd="/", env=NOBODY_ENV, capture_output=True, text=True, timeout=60)
+    except OSError as err:  # the exec itself was refused
+        return str(err)
+    return None if done.returncode == 0 else (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+
+
+def readable_copy(path: str) -> str:
+    """``path`` copied where `nobody` can read it (the repository may live in a closed home)."""
+    folder = tempfile.mkdtemp(prefix="sandbox-test-")
+    os.chmod(folder, 0o755)
+    copy = os.path.join(folder, os.path.basename(path))
+    Path(copy).write_bytes(Path(path).read_bytes())
+    os.chmod(copy, 0o644)
+    return copy
+
+
 def test_unprivileged_user_path():
     """The non-root path (a CI runner without root): the fork bomb is capped by RLIMIT_NPROC in
-    the sandbox's own user namespace, and a connection attempt fails."""
+    the sandbox's own user namespace, and a connection attempt fails. As root the test runs
+    itself as `nobody`, with the interpreter's real binary (a venv's python is a symlink that may
+    sit anywhere) and a readable copy of the sandbox module, wherever the venv and the checkout
+    live."""
+    python = os.path.realpath(sys.executable)
     if os.geteuid() == 0:
-        argv = [sys.executable, "-I", "-c", AS_NOBODY, NON_ROOT_BODY, sandbox_module.__file__]
+        module = readable_copy(sandbox_module.__file__)
+        try:
+            closed = why_nobody_cannot_run(python)
+            if closed is None:
+                done = subprocess.run([python, "-I", "-c", NON_ROOT_BODY, module], capture_output=True, text=True,
+                                      timeout=60, user=NOBODY, group=NOBODY, extra_groups=[], cwd="/", env=NOBODY_ENV)
+            else:
+                done = subprocess.run([python, "-I", "-c", AS_NOBODY, NON_ROOT_BODY, module], capture_output=True,
+                                      text=True, timeout=60)
+                if done.stderr.startswith("cannot mount:"):
+                    pytest.skip(f"`nobody` cannot exec {python} ({closed}), and this root cannot bind it into a "
+                                f"private mount namespace ({done.stderr.strip()})")
+        finally:
+            shutil.rmtree(Path(module).parent)
     else:
         argv = [sys.executable, "-I", "-c", NON_ROOT_BODY, sandbox_module.__file__]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     if done.returncode != 0 and "refuses" in done.stderr:
         pytest.skip(f"no unprivileged sandbox on this machine: {done.stderr.strip().splitlines()[-1]}")
     assert done.returncode == 0, done.stderr

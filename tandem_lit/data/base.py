@@ -169,24 +169,31 @@ class PromptDataModule(L.LightningDataModule):
 
 def read_records(path: str | Path) -> list[dict[str, Any]]:
     """Rows from a JSONL file, a JSON array, or a zip holding one JSONL member. A line that is
-    not JSON, or a file with no records, is an error naming the file and the line."""
+    not JSON or not UTF-8, a file with no records or that cannot be read, is an error naming the
+    file (and the line)."""
     path = Path(path)
     if not path.exists():
         raise DataError(f"dataset file {path} does not exist")
     if path.suffix == ".zip":
         import zipfile
 
-        with zipfile.ZipFile(path) as archive:
-            members = [m for m in archive.namelist() if m.endswith((".jsonl", ".json"))]
-            if len(members) != 1:
-                raise ConfigError(f"{path} should hold one .jsonl/.json member, found {members}")
-            text = archive.read(members[0]).decode("utf-8")
-            suffix = Path(members[0]).suffix
-            where = f"{path}:{members[0]}"
+        try:
+            with zipfile.ZipFile(path) as archive:
+                members = [m for m in archive.namelist() if m.endswith((".jsonl", ".json"))]
+                if len(members) != 1:
+                    raise ConfigError(f"{path} should hold one .jsonl/.json member, found {members}")
+                where = f"{path}:{members[0]}"
+                text = _decode(archive.read(members[0]), where)
+                suffix = Path(members[0]).suffix
+        except (zipfile.BadZipFile, OSError) as err:
+            raise DataError(f"dataset file {path} is not a readable zip archive ({err}); unpack it or give the .jsonl") from None
     else:
-        text = path.read_text(encoding="utf-8")
-        suffix = path.suffix
         where = str(path)
+        try:
+            text = _decode(path.read_bytes(), where)
+        except OSError as err:  # a folder, no permission, an I/O error
+            raise DataError(f"dataset file {path} cannot be read ({err.strerror or err}); point the source at a readable file") from None
+        suffix = path.suffix
     if suffix == ".json" or text.lstrip().startswith("["):
         records = _parse(text, where, line_offset=0)
         if not isinstance(records, list):
@@ -199,6 +206,19 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
     if bad is not None:
         raise DataError(f"{where}: record {bad + 1} is a JSON {type(records[bad]).__name__}, expected an object of fields")
     return records
+
+
+def _decode(data: bytes, where: str) -> str:
+    """The text of a dataset file; bytes that are not UTF-8 are an error naming the line."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        column = err.start - (data.rfind(b"\n", 0, err.start) + 1) + 1
+        raise DataError(
+            f"{where}, line {line}: not valid UTF-8 (byte {data[err.start]:#04x} at column {column}); save the file as "
+            "UTF-8 (e.g. iconv -f latin1 -t utf-8) or fix that line"
+        ) from None
 
 
 def _parse(text: str, where: str, line_offset: int):

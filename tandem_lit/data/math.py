@@ -333,7 +333,14 @@ class DeepScaleRDataModule(PromptDataModule):
         else:
             import datasets
 
-            table = datasets.load_dataset(self.source, data_files=self.files, split="train")
+            try:
+                table = datasets.load_dataset(self.source, data_files=self.files, split="train")
+            except (OSError, ValueError, ConnectionError) as err:  # DatasetNotFoundError is a FileNotFoundError
+                raise DataError(
+                    f"could not load training dataset {self.source!r} from the hub: "
+                    f"{str(err).splitlines()[0] if str(err) else type(err).__name__}. Check the name and that the "
+                    "hub is reachable, or give a local folder/file."
+                ) from None
             found = [(f"{self.source} (hub)", i, dict(r)) for i, r in enumerate(table)]
         unique: dict[str, tuple[str, int, dict[str, Any]]] = {}
         for where, index, record in found:

@@ -17,6 +17,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
+from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 from lightning.pytorch.cli import SaveConfigCallback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -161,7 +162,11 @@ class ResumeCheckpoint(ModelCheckpoint):
 
 class TandemProgressBar(TQDMProgressBar):
     """The bar counts optimiser updates against ``max_steps`` (not epochs of a data set that a run
-    rarely finishes) and shows the numbers that matter under short names."""
+    rarely finishes) and shows the numbers that matter under short names.
+
+    Validation during fit draws no second bar (nested bars leave partial lines wherever output
+    is not a terminal): the training bar says ``validation i/n`` meanwhile, and one line with the
+    accuracies is written above it when validation ends."""
 
     NAMES = {"reward": "reward", "eval/senior_accuracy": "senior acc"}
 
@@ -173,6 +178,10 @@ class TandemProgressBar(TQDMProgressBar):
     def validation_description(self) -> str:
         return "validation"
 
+    def on_train_start(self, trainer: L.Trainer, *args: Any) -> None:
+        super().on_train_start(trainer, *args)
+        self.on_train_epoch_start(trainer)  # counted in updates from the start (validation at start runs first)
+
     def on_train_epoch_start(self, trainer: L.Trainer, *args: Any) -> None:
         bar = self.train_progress_bar
         by_updates = bool(trainer.max_steps and trainer.max_steps > 0)
@@ -181,10 +190,38 @@ class TandemProgressBar(TQDMProgressBar):
         bar.unit = "update" if by_updates else "it"
         bar.set_description(self.train_description)
 
+    def init_validation_tqdm(self):
+        if self.trainer.state.fn == "fit":  # the training bar shows validation's progress
+            return Tqdm(disable=True)
+        return super().init_validation_tqdm()
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_validation_start(trainer, pl_module)
+        self._validation_started = time.perf_counter()
+
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
         super().on_validation_batch_start(trainer, pl_module, batch, batch_idx, dataloader_idx)
         if self.val_progress_bar is not None:
             self.val_progress_bar.set_description(self.validation_description)
+        bar = self._train_progress_bar
+        if trainer.state.fn == "fit" and not trainer.sanity_checking and bar is not None and not bar.disable:
+            total = self.total_val_batches_current_dataloader
+            bar.set_description(f"validation {batch_idx + 1}/{total:.0f}" if total != float("inf") else "validation")
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_validation_end(trainer, pl_module)
+        bar = self._train_progress_bar
+        if trainer.state.fn != "fit" or trainer.sanity_checking or bar is None or bar.disable:
+            return
+        bar.set_description(self.train_description)
+        accuracies = [
+            f"{name.removeprefix('eval/').removesuffix('_accuracy')} acc {float(value):.3f}"
+            for name, value in sorted(trainer.callback_metrics.items())
+            if name.startswith("eval/") and name.endswith("_accuracy")
+        ]
+        seconds = time.perf_counter() - getattr(self, "_validation_started", time.perf_counter())
+        bar.write(f"validation after update {trainer.global_step} ({seconds:.0f} s): {', '.join(accuracies) or 'done'}",
+                  file=bar.fp)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
         bar = self.train_progress_bar

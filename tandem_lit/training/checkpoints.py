@@ -8,6 +8,8 @@ from typing import Any
 
 from torch import nn
 
+from tandem_lit.errors import ConfigError
+
 
 def trainable_keys(senior: nn.Module) -> set[str]:
     return {f"senior.{n}" for n, p in senior.named_parameters() if p.requires_grad}
@@ -25,12 +27,27 @@ def check_trainable(senior: nn.Module, checkpoint: dict[str, Any]) -> None:
     saved = set(checkpoint.get("tandem_lit", {}).get("trainable_keys", []))
     expected = trainable_keys(senior)
     # (FSDP2Strategy has loaded the weights into the shards already and passes no state_dict)
-    missing = expected - set(checkpoint["state_dict"] if "state_dict" in checkpoint else saved)
+    state = checkpoint.get("state_dict", {})
+    missing = expected - set(state if "state_dict" in checkpoint else saved)
+    fix = "load it with the same senior and lora settings it was trained with"
     if missing or (saved and saved != expected):
-        raise RuntimeError(
+        raise ConfigError(
             f"checkpoint does not match this model: {len(missing)} trainable tensors missing "
-            f"(e.g. {sorted(missing)[:3]}); load it with the same senior and lora settings it was trained with"
+            f"(e.g. {sorted(missing)[:3]}); {fix}"
         )
+    raise_on_other_shapes({f"senior.{n}": p for n, p in senior.named_parameters()}, state, fix)
+
+
+def raise_on_other_shapes(parameters: dict[str, nn.Parameter], state: dict[str, Any], fix: str) -> None:
+    """A checkpoint of another model under the same tensor names (a wider or deeper config)
+    fails here with the first tensor whose shape differs, not in torch's load_state_dict."""
+    for name, tensor in state.items():
+        parameter = parameters.get(name)
+        if parameter is not None and hasattr(tensor, "shape") and tuple(tensor.shape) != tuple(parameter.shape):
+            raise ConfigError(
+                f"checkpoint does not match this model: {name} is {list(tensor.shape)} in the checkpoint and "
+                f"{list(parameter.shape)} here; {fix}"
+            )
 
 
 def models_line(senior: nn.Module, junior: nn.Module | None, lora) -> str:

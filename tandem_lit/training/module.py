@@ -52,7 +52,7 @@ from tandem_lit.rollout.logprobs import avoid_cudnn_attention_backward
 from tandem_lit.rollout.record import Author
 from tandem_lit.rollout.weights import gathered, rollout_named_tensors
 from tandem_lit.runs import start_run_record
-from tandem_lit.training import checkpoints, completions
+from tandem_lit.training import checkpoints, completions, preflight
 from tandem_lit.training.distributed import check_several_processes, rank_rows, reduce_metrics
 from tandem_lit.training.memory import GIB, estimate_run_memory
 from tandem_lit.training.rollout_phase import RolloutPhase
@@ -243,7 +243,13 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         params = [p for p in self.senior.parameters() if p.requires_grad]
         if self.optimizer_factory is None:
             return torch.optim.AdamW(params, lr=1e-6, weight_decay=0.0)
-        return self.optimizer_factory(params)
+        try:
+            return self.optimizer_factory(params)
+        except ValueError as err:  # torch.optim's argument checks (a negative lr, betas outside [0, 1))
+            raise ConfigError(
+                f"the optimizer refused its settings: {err}. Fix model.init_args.optimizer.init_args "
+                "(--print_config shows them)."
+            ) from None
 
     def on_fit_start(self) -> None:
         if self.objective.group_relative and self.sampling.n < 2:
@@ -252,6 +258,7 @@ class TandemModule(EvaluationSteps, L.LightningModule):
                 f"{self.sampling.n}: every advantage would be 0 and nothing would train. Set rollout.sampling.n >= 2 "
                 "(Tandem RLVR uses 8), or use Reinforce."
             )
+        preflight.check(self, "fit")
         if self.trainer.world_size > 1:
             check_several_processes(
                 self.senior, self.trainer, self.update_settings.mini_batch_size,
@@ -347,6 +354,16 @@ class TandemModule(EvaluationSteps, L.LightningModule):
             "consecutive steps, so no update can happen: every group is all-correct or all-wrong. Use easier "
             "or harder data, more rollouts per prompt (rollout.sampling.n), or turn dynamic_sampling off."
         )
+
+    def on_validation_start(self) -> None:
+        if self.trainer.state.fn == "validate":  # (fit checked its validation in on_fit_start)
+            preflight.check(self, "validate")
+
+    def on_test_start(self) -> None:
+        preflight.check(self, "test")
+
+    def on_predict_start(self) -> None:
+        preflight.check(self, "predict")
 
     # ------------------------------------------------------------------ checkpoints and logging
 

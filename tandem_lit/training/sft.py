@@ -50,6 +50,7 @@ from tandem_lit.models import (
     quantization_config,
 )
 from tandem_lit.runs import start_run_record
+from tandem_lit.training import checkpoints
 from tandem_lit.training.settings import PromptFormat
 
 log = logging.getLogger(__name__)
@@ -492,6 +493,8 @@ class SFTModel(L.LightningModule):
                 f"checkpoint does not match this model: {len(missing)} trainable tensors missing (e.g. "
                 f"{sorted(missing)[:3]}); resume with the model and lora settings it was trained with"
             )
+        checkpoints.raise_on_other_shapes({f"model.{n}": p for n, p in self.model.named_parameters()},
+                                          checkpoint.get("state_dict", {}), "resume with the model it was trained with")
         self.history = list(checkpoint.get("tandem_lit", {}).get("history", []))
         self.run_id = checkpoint.get("tandem_lit", {}).get("run_id") or self.run_id
 
