@@ -457,3 +457,23 @@ def test_dynamic_sampling_settings_are_checked():
     with pytest.raises(ConfigError, match="prompts_per_step"):
         DynamicSampling(prompts_per_step=0)
     assert json.dumps(DynamicSampling(prompts_per_step=2).__dict__)  # plain, loggable settings
+
+
+def test_a_large_rollout_logp_gap_warns_once_per_run_naming_tis_cap(caplog):
+    """A mean gap past update.logp_gap_warning means importance ratios far outside the clip range:
+    said once (not every step), with the setting that corrects for it; a normal gap says nothing."""
+    from tandem_lit.objectives import GRPO
+    from tandem_lit.rollout.sampling import SamplingConfig
+    from tandem_lit.training.settings import MemorySettings, UpdateSettings
+    from tandem_lit.training.update_phase import UpdatePhase
+
+    phase = UpdatePhase(UpdateSettings(logp_gap_warning=0.2), MemorySettings(), GRPO(), SamplingConfig())
+    with caplog.at_level("WARNING", logger="tandem_lit.training.update_phase"):
+        phase.check_logp_gap({"rollout_logp_gap_mean": 0.06})
+        assert not caplog.records
+        phase.check_logp_gap({"rollout_logp_gap_mean": 0.51})
+        phase.check_logp_gap({"rollout_logp_gap_mean": 0.7})
+        quiet = UpdatePhase(UpdateSettings(logp_gap_warning=None), MemorySettings(), GRPO(), SamplingConfig())
+        quiet.check_logp_gap({"rollout_logp_gap_mean": 5.0})
+    (record,) = caplog.records
+    assert "0.510 nats" in record.getMessage() and "tis_cap" in record.getMessage()

@@ -198,6 +198,9 @@ class UpdateSettings:
             default: AdamW updates smaller than half a bf16 rounding step vanish (at lr 1e-6 most
             do), so such a run silently barely trains. Use float32 weights (optionally with
             ``trainer.precision: bf16-mixed``) or LoRA instead.
+        logp_gap_warning: Warn (once per run) when ``train/rollout_logp_gap_mean``, the mean
+            |training log-prob - engine log-prob| of the senior's tokens, exceeds this many nats
+            (docs/metrics.md: ~0.06 is normal for a bf16 rollout copy of Qwen3-4B). None: never.
     """
 
     mini_batch_size: int | None = None
@@ -206,6 +209,7 @@ class UpdateSettings:
     overlong: OverlongPolicy = field(default_factory=OverlongPolicy)
     max_idle_steps: int = 20
     allow_low_precision_weights: bool = False
+    logp_gap_warning: float | None = 0.2
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1:

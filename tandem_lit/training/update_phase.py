@@ -11,6 +11,7 @@ The rollout-vs-train log-prob gap is measured on the way (``train/rollout_logp_g
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -29,6 +30,8 @@ from tandem_lit.training.distributed import all_reduce_sum, balance, full_value,
 from tandem_lit.training.memory import OptimizerOffload, pack_by_tokens
 from tandem_lit.training.settings import MemorySettings, UpdateSettings
 
+log = logging.getLogger(__name__)
+
 
 class UpdatePhase:
     """Optimiser updates of the senior from one batch of graded rollouts.
@@ -43,6 +46,7 @@ class UpdatePhase:
         self.objective = objective
         self.sampling = sampling
         self.offload = OptimizerOffload() if memory.offload_optimizer else None
+        self.warned_gap = False
 
     def bind(self, senior: nn.Module, reference: nn.Module | None, backward: Callable[[Tensor], None]) -> None:
         self.senior, self.reference, self.backward = senior, reference, backward
@@ -107,7 +111,25 @@ class UpdatePhase:
         optimizer.zero_grad(set_to_none=True)  # no gradient memory held through the next rollouts
         totals["updates"] = float(len(updates))
         totals.update(gap.metrics())
+        self.check_logp_gap(totals)
         return totals
+
+    def check_logp_gap(self, metrics: dict[str, float]) -> None:
+        """Say once per run when the engine's log-probs and the training forward's disagree by
+        more than ``update.logp_gap_warning`` nats on average: every importance ratio is then off
+        by about e^gap, far outside a 0.2 clip range, and the run clips most tokens without error."""
+        gap, limit = metrics.get("rollout_logp_gap_mean"), self.settings.logp_gap_warning
+        if self.warned_gap or gap is None or limit is None or gap <= limit:
+            return
+        self.warned_gap = True
+        log.warning(
+            "train/rollout_logp_gap_mean is %.3f nats (above update.logp_gap_warning=%s): the rollouts were "
+            "sampled from a policy the update does not see, so importance ratios are off by ~x%.2f. Likely causes: "
+            "a rollout copy in bf16 of an architecture sensitive to it (try the engine's rollout_dtype: float32 to "
+            "check), different kernels on the two sides, or a stale weight sync. Set objective.tis_cap (verl uses "
+            "2.0) to correct the ratios for it (docs/metrics.md says which values are normal).",
+            gap, limit, math.exp(gap),
+        )
 
     def clipped_norm(self, optimizer, step: int) -> float:
         """Clip the gradient; a non-finite norm stops the run before it reaches the weights."""
