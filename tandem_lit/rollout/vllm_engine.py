@@ -48,6 +48,7 @@ from tandem_lit.rollout.sampling import SamplingConfig
 from tandem_lit.rollout.weights import (
     WeightSyncError,
     check_rollout_dtype,
+    expected_parameter,
     gathered,
     plain_model,
     rollout_dtype,
@@ -356,14 +357,7 @@ class _Checked:
 
     def __iter__(self):
         for name, tensor in self.named_tensors:
-            param = self.expected.get(name)
-            if param is None:
-                raise WeightSyncError(
-                    f"weight sync: {name!r} is not a parameter of the senior's architecture; "
-                    "the producer and the engine disagree on the architecture or the names"
-                )
-            if param.shape != tensor.shape:
-                raise WeightSyncError(f"weight sync: {name!r} has shape {tuple(tensor.shape)}, the architecture's {tuple(param.shape)}")
+            param = expected_parameter(self.expected, name, tensor, "the senior's architecture")
             self.seen.add(name)
             self.count += 1
             yield name, tensor.to(param.dtype)

@@ -149,20 +149,26 @@ def build_rollout_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 
 @torch.no_grad()
+def expected_parameter(params: dict[str, Tensor], name: str, tensor: Tensor, where: str) -> Tensor:
+    """``params[name]``, refusing (WeightSyncError) a name ``where`` lacks or a shape it does not have."""
+    param = params.get(name)
+    if param is None:
+        raise WeightSyncError(
+            f"weight sync: {name!r} is not a parameter of {where}; "
+            "the producer and the engine disagree on the architecture or the names"
+        )
+    if param.shape != tensor.shape:
+        raise WeightSyncError(f"weight sync: {name!r} has shape {tuple(tensor.shape)}, {where}'s {tuple(param.shape)}")
+    return param
+
+
 def load_named_tensors(target: nn.Module, named: Iterable[tuple[str, Tensor]]) -> int:
     """Copy every (name, tensor) into ``target``'s parameter of that name (cast to its dtype and
     device); the names must cover ``target``'s parameters exactly. Returns the tensors loaded."""
     params = dict(target.named_parameters())
     loaded: set[str] = set()
     for name, tensor in named:
-        param = params.get(name)
-        if param is None:
-            raise WeightSyncError(
-                f"weight sync: {name!r} is not a parameter of the rollout model ({type(target).__name__}); "
-                "the producer and the engine disagree on the architecture or the names"
-            )
-        if param.shape != tensor.shape:
-            raise WeightSyncError(f"weight sync: {name!r} has shape {tuple(tensor.shape)}, the rollout model's {tuple(param.shape)}")
+        param = expected_parameter(params, name, tensor, f"the rollout model ({type(target).__name__})")
         param.copy_(tensor)
         loaded.add(name)
     missing = sorted(params.keys() - loaded)
