@@ -183,3 +183,49 @@ def test_the_first_mini_batch_takes_its_old_logprobs_from_its_own_forward(monkey
         optimizer.step()
     assert totals["loss"] == pytest.approx(loss_total, rel=1e-5, abs=1e-7)
     assert_same_grads(grads, optimizer.grads)
+
+
+def _fsdp_packed_worker(rank: int, world: int, port: int, results) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from conftest import REPO_ROOT
+        from tandem_lit.models import ModelSource, load_causal_lm
+        from tandem_lit.training.distributed import shard_model
+
+        source = ModelSource(str(REPO_ROOT / "configs/tiny/senior"), random_init=True, init_seed=1, dtype="float32")
+        reference, model = load_causal_lm(source), load_causal_lm(source)
+        model.train()
+        shard_model(model, init_device_mesh("cpu", (world,)), bf16_compute=False)
+        rollout = ragged_rollout(model.config.vocab_size)
+        weights = torch.linspace(-1, 1, rollout.completion_mask.numel()).view_as(rollout.completion_mask)
+        mine = torch.arange(rank, len(PROMPTS), world)  # FSDP averages over ranks: each rank's sum x world
+        part = rollout.select(mine)
+        logp = completion_logprobs(model, part, TEMPERATURE, packed=True)  # through model.completion_hidden
+        (logp * weights[mine] * part.completion_mask).sum().mul(world).backward()
+        expected = completion_logprobs(reference, rollout, TEMPERATURE)  # one process, padded rows
+        (expected * weights * rollout.completion_mask).sum().backward()
+        results[rank] = max(
+            float((p.grad.full_tensor() - reference.get_parameter(name).grad).abs().max())
+            for name, p in model.named_parameters()
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_packed_passes_under_fsdp_give_the_one_process_padded_gradient():
+    import os
+
+    import torch.multiprocessing as mp
+
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_fsdp_packed_worker, args=(2, 30_000 + os.getpid() % 1000, results), nprocs=2)
+        outcome = dict(results)
+    assert set(outcome) == {0, 1} and max(outcome.values()) < 1e-5, outcome
