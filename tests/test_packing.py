@@ -229,3 +229,19 @@ def test_packed_passes_under_fsdp_give_the_one_process_padded_gradient():
         mp.spawn(_fsdp_packed_worker, args=(2, 30_000 + os.getpid() % 1000, results), nprocs=2)
         outcome = dict(results)
     assert set(outcome) == {0, 1} and max(outcome.values()) < 1e-5, outcome
+
+
+def test_a_senior_that_cannot_pack_is_refused_before_the_first_step():
+    from conftest import tiny_tandem_module
+
+    from tandem_lit.training import preflight
+    from tandem_lit.verifiers.math import MathVerifier
+
+    module = tiny_tandem_module(verifier=MathVerifier(), objective=GRPO(), sampling=SamplingConfig(n=2, max_new_tokens=8),
+                                memory=MemorySettings(pack_sequences=True))
+    module.configure_model()
+    preflight.check(module, "fit")  # a Llama with sdpa packs
+    module.senior.config.layer_types = ["linear_attention", "full_attention"]
+    with pytest.raises(ConfigError, match="memory.pack_sequences"):
+        preflight.check(module, "fit")
+    preflight.check(module, "validate")  # evaluation never packs
