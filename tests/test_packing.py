@@ -193,9 +193,9 @@ def _fsdp_packed_worker(rank: int, world: int, port: int, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
+        from conftest import REPO_ROOT
         from torch.distributed.device_mesh import init_device_mesh
 
-        from conftest import REPO_ROOT
         from tandem_lit.models import ModelSource, load_causal_lm
         from tandem_lit.training.distributed import shard_model
 
