@@ -22,6 +22,9 @@ allocation + graph capture), the rollout-vs-train log-prob gap and peak memory; 
 GRPO arm (SoloHandoff, no junior: configs/rlvr/qwen3_4b_grpo.yaml) with the same shapes. The
 first two steps of each arm are short warm-ups (Triton compilation, cuBLAS init, pinned host
 buffers for the optimizer offload) and are not reported.
+Each step also prints the update's model FLOPs (``update_flops``: counted from the shapes of the
+sequences trained on, attention included) and its MFU against ``--peak-tflops`` (790: an H200's
+dense bf16 rate).
 Last line: ``tandem_over_grpo_step=<ratio> ideal=<ratio> peak_gb=<x>``, where ideal applies the
 decode-bytes ratio (tandem over solo) to GRPO's rollout time and keeps its update time.
 """
@@ -139,6 +142,7 @@ def build_module(model_args: dict, arm: str, args, root: Path):
     memory.update({k: v for k, v in (("offload_optimizer", args.offload_optimizer),
                                      ("gradient_checkpointing", args.gradient_checkpointing),
                                      ("micro_batch_tokens", args.micro_batch_tokens),
+                                     ("pack_sequences", args.pack_sequences),
                                      ("release_rollout_caches", args.release_rollout_caches)) if v is not None})
     init["memory"] = memory
     if args.rollout_dtype:
@@ -160,16 +164,102 @@ def build_module(model_args: dict, arm: str, args, root: Path):
     return TandemModule(verifier=CoinVerifier(), **kwargs)
 
 
+def update_flops(
+    body_params: int, head_params: int, attention_width: int, trainable_share: float,
+    prompts: list[int], completions: list[int], forward_only_rows: list[int],
+) -> float:
+    """Model FLOPs of one update phase, counted from the shapes of the sequences trained on.
+
+    For sequence i of L_i = prompt_i + completion_i real tokens (padding is not model work), one
+    forward is
+
+        F_i = 2 N L_i  +  2 V H c_i  +  2 A L_i^2
+
+    N = ``body_params`` (the decoder's matmul parameters: all but the input embedding and the
+    output head), V H = ``head_params`` (the vocabulary projection, run only at the c_i completion
+    positions), A = ``attention_width`` (full-attention layers x heads x head_dim): QK^T and AV are
+    2 products x 2 FLOPs per multiply-add x L^2 / 2 (causal) per layer and head dimension. The
+    backward pass is 2x the forward for attention and for the matmuls' input gradients, plus the
+    weight gradients of the trained share s of the parameters (s = 1: all, the familiar 6 N per
+    token; s ~ 0: LoRA over a frozen base, adapters' own FLOPs ignored):
+
+        trained_i = (2 + s) (2 N L_i + 2 V H c_i)  +  3 (2 A L_i^2)
+
+    Forward-only passes (the old log-probs of the mini-batches after the first, the reference
+    log-probs of a KL term) add F_i once per row listed in ``forward_only_rows``. Not counted:
+    recomputation under gradient checkpointing (hardware, not model, FLOPs), norms, activations,
+    softmax, rotary, the optimizer step, and a linear-attention layer's recurrence (Qwen3.5's Gated
+    DeltaNet layers count only through their parameters).
+    """
+
+    def forward(i: int) -> float:
+        length = prompts[i] + completions[i]
+        return 2 * body_params * length + 2 * head_params * completions[i] + 2 * attention_width * length**2
+
+    trained = 0.0
+    for i in range(len(prompts)):
+        length = prompts[i] + completions[i]
+        matmuls = 2 * body_params * length + 2 * head_params * completions[i]
+        trained += (2 + trainable_share) * matmuls + 3 * 2 * attention_width * length**2
+    return trained + sum(forward(i) for i in forward_only_rows)
+
+
+def flop_shape(model) -> dict:
+    """``update_flops``' model arguments read from a (possibly LoRA-wrapped) causal LM."""
+    from tandem_lit.rollout.weights import plain_model
+    from tandem_lit.training.memory import ModelShape
+
+    lm = plain_model(model)
+    params = {id(p): p for p in lm.parameters()}
+    embed, head = lm.get_input_embeddings().weight, lm.get_output_embeddings().weight
+    body = sum(p.numel() for p in params.values()) - embed.numel() - (head.numel() if id(head) != id(embed) else 0)
+    shape = ModelShape.of(model)
+    kinds = list(getattr(lm.config, "layer_types", None) or [])
+    full_layers = sum(kind != "linear_attention" for kind in kinds) if kinds else shape.layers
+    return {"body_params": body, "head_params": head.numel(), "attention_width": full_layers * shape.q_width,
+            "trainable_share": shape.trainable / shape.params}
+
+
+class UpdateShapes:
+    """Records each update phase's sequences (prompt and completion lengths) and the rows that get
+    forward-only passes, by wrapping the module's ``UpdatePhase.run``."""
+
+    def __init__(self, module) -> None:
+        self.module, self.steps = module, []
+        run = module.updates.run
+
+        def recorded(result, optimizer, device, world=1, step=0):
+            self.record(result, world)
+            return run(result, optimizer, device, world, step)
+
+        module.updates.run = recorded
+
+    def record(self, result, world: int) -> None:
+        rollout, group, phase = result.rollout, result.group, self.module.updates
+        prompts = int(group.max()) + 1
+        per_update = phase.settings.mini_batch_size // world if phase.settings.mini_batch_size else prompts
+        rows = list(range(len(group)))
+        later = [i for i in rows if int(group[i]) >= per_update]  # mini-batches after the first
+        forward_only = (later if phase.objective.uses_old_logp else []) + (rows if phase.objective.uses_reference else [])
+        self.steps.append({"prompts": rollout.prompt_mask.sum(-1).tolist(), "completions": rollout.lengths.tolist(),
+                           "forward_only_rows": forward_only})
+
+
 class StepReport(L.Callback):
     """Times each training step and reports it as soon as it ends (Lightning's teardown after
     ``fit`` moves tens of GB to the host: a time limit there must not lose the numbers). The first
     ``warmup`` steps run at ``warmup_tokens`` (Triton compilation, cuBLAS init, and the offload's
     pinned host buffers, allocated once at the first rollout after an update) and are not reported."""
 
-    def __init__(self, arm: str, warmup: int, warmup_tokens: int, bandwidth: float, prompts: int):
+    def __init__(self, arm: str, warmup: int, warmup_tokens: int, bandwidth: float, prompts: int, peak_tflops: float):
         self.arm, self.warmup, self.warmup_tokens, self.bandwidth, self.prompts = arm, warmup, warmup_tokens, bandwidth, prompts
+        self.peak_tflops = peak_tflops
         self.steps: list[dict] = []
         self.full_tokens = None
+        self.shapes: UpdateShapes | None = None
+
+    def on_fit_start(self, trainer, module):
+        self.shapes = UpdateShapes(module)
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
         if self.full_tokens is None:
@@ -207,12 +297,20 @@ class StepReport(L.Callback):
         }
         step["roofline_ms"] = 1000 * decode_bytes(module, step["prompt_width"]) / self.bandwidth
         step["decode_roofline_share"] = step["roofline_ms"] / step["decode_step_ms"]
+        shapes = self.shapes.steps[-1] if self.shapes and self.shapes.steps else None
+        flops = update_flops(**flop_shape(module.senior), **shapes) if shapes else float("nan")
+        # (several processes: rank 0's rows against one GPU's peak)
+        step["update_tflops"] = flops / 1e12
+        step["update_mfu"] = flops / (step["update_seconds"] * self.peak_tflops * 1e12)
+        step["update_trained_tokens"] = sum(shapes["prompts"]) + sum(shapes["completions"]) if shapes else 0
         self.steps.append(step)
         say(f"{self.arm:>7} step {len(self.steps)}: {seconds:7.1f} s = rollout {step['rollout_seconds']:6.1f} s "
               f"(setup {step['setup_seconds']:.2f}, prefill {step['prefill_seconds']:.2f}, decode "
               f"{step['decode_step_ms']:.2f} ms/step = {step['decode_roofline_share']:.0%} of roofline "
               f"{step['roofline_ms']:.2f} ms; {step['rollout_tokens_per_second']:,.0f} tok/s; optimizer offload "
-              f"{step['offload_seconds']:.1f} s) + update {step['update_seconds']:6.1f} s; logp gap mean "
+              f"{step['offload_seconds']:.1f} s) + update {step['update_seconds']:6.1f} s ({step['update_tflops']:.3g} "
+              f"TFLOP over {step['update_trained_tokens']:,} tokens = {step['update_mfu']:.1%} MFU of {self.peak_tflops:g} "
+              f"TFLOP/s); logp gap mean "
               f"{step['logp_gap_mean']:.4f} max {step['logp_gap_max']:.3f}; peak {step['peak_gb']:.1f} GiB")
 
 
@@ -254,7 +352,7 @@ def budgets_for_seeds(lengths: dict, seeds: torch.Tensor, limit: int) -> torch.T
 def run_arm(arm: str, model_args: dict, trainer_args: dict, args, root: Path, bandwidth: float) -> dict:
     module = build_module(model_args, arm, args, root)
     data = ProblemRows(args.problems, batch_size=args.prompts, seed=0)
-    report = StepReport(arm, args.warmup_steps, min(32, module.sampling.max_new_tokens), bandwidth, args.prompts)
+    report = StepReport(arm, args.warmup_steps, min(32, module.sampling.max_new_tokens), bandwidth, args.prompts, args.peak_tflops)
     lengths = parse_lengths(args.lengths, args.tiny)
     if lengths is not None:  # random weights never end a sequence: each one's budget is its length
         sampling = module.sampling  # (StepReport shortens its max_new_tokens in warm-up steps)
@@ -320,6 +418,9 @@ def main() -> None:
     parser.add_argument("--hf-engine", action="store_true", help="with --rollout-dtype: HFEngine instead of FastEngine")
     parser.add_argument("--devices", type=int, default=1, help="processes (GPUs); > 1 needs --strategy fsdp")
     parser.add_argument("--strategy", default=None, choices=["fsdp"], help="fsdp: tandem_lit.training.distributed.FSDP2Strategy")
+    parser.add_argument("--pack-sequences", action=argparse.BooleanOptionalAction, default=None,
+                        help="memory.pack_sequences: packed update passes (default: the config's)")
+    parser.add_argument("--peak-tflops", type=float, default=790.0, help="the device's dense bf16 TFLOP/s, for the update's MFU")
     parser.add_argument("--estimate-only", action="store_true")
     parser.add_argument("--lengths", default="fixed",
                         help="fixed (every rollout runs max_new_tokens), or lognormal[:median=1000,sigma=0.8,cap=3000]: "

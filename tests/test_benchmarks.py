@@ -22,6 +22,8 @@ def test_train_step_benchmark_tiny(repo_root, tmp_path):
         (step,) = result["arms"][arm]["steps"]
         assert step["rollout_seconds"] > 0 and step["update_seconds"] > 0 and step["decode_step_ms"] > 0
         assert step["response_length"] == 8  # EOS ignored: every rollout runs to the cap
+        assert step["update_tflops"] > 0 and step["update_mfu"] > 0 and step["update_trained_tokens"] > 0
+    assert "MFU of 790 TFLOP/s" in run.stdout
     assert result["arms"]["tandem"]["engine"] == "FastEngine"
 
 
@@ -72,3 +74,15 @@ def test_rollout_benchmark_long_tailed_lengths_tiny(repo_root):
     assert last.startswith("continuous_over_static=") and " continuous_over_static_solo=" in last
     assert float(last.split()[0].split("=")[1]) > 0
     assert "FastEngine continuous, tandem" in run.stdout and "FastEngine static, tandem" in run.stdout
+
+
+def test_update_flops_by_hand():
+    """``update_flops`` on numbers small enough to add up by hand: N = 10 body parameters, a
+    head of V H = 6, attention width A = 2; sequences of (prompt, completion) = (3, 2) and (1, 4)."""
+    from benchmarks.train_step import update_flops
+
+    # forward: 2 N L + 2 V H c + 2 A L^2 = row 0: 100 + 24 + 100 = 224; row 1: 100 + 48 + 100 = 248
+    # trained, all weights: 3 x (124 + 148) matmul FLOPs + 3 x (100 + 100) attention = 816 + 600
+    assert update_flops(10, 6, 2, 1.0, [3, 1], [2, 4], []) == 1416
+    # frozen weights (LoRA): no weight gradients, 2 x 272 + 600; plus an old-log-prob forward of row 1
+    assert update_flops(10, 6, 2, 0.0, [3, 1], [2, 4], [1]) == 544 + 600 + 248

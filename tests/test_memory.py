@@ -156,7 +156,9 @@ def one_step_update(tmp_path, **settings) -> dict[str, torch.Tensor]:
     MemorySettings(micro_batch_tokens=600),  # passes of a few rows, grouped by length
     MemorySettings(gradient_checkpointing=True),
     MemorySettings(release_rollout_caches=False, offload_optimizer=True),  # offload is a no-op on CPU
-], ids=["micro_batch_tokens", "gradient_checkpointing", "keep_caches"])
+    MemorySettings(pack_sequences=True, micro_batch_tokens=600),  # one packed row per pass
+    MemorySettings(pack_sequences=True, gradient_checkpointing=True),
+], ids=["micro_batch_tokens", "gradient_checkpointing", "keep_caches", "pack_sequences", "pack_checkpointed"])
 def test_memory_settings_do_not_change_the_update(tmp_path, memory):
     reference = one_step_update(tmp_path / "reference", micro_batch_size=8)
     changed = one_step_update(tmp_path / "changed", micro_batch_size=8, memory=memory)

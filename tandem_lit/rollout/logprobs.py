@@ -4,6 +4,14 @@ A 3,000-token completion over a 150k vocabulary is 1.8 GB of float logits per se
 backbone runs once; the vocabulary projection, temperature and log-softmax run in chunks of
 positions, each recomputed in the backward pass (activation checkpointing), so peak memory is
 one chunk however long the completion.
+
+Packed (``packed=True``): the rows' real tokens (prompt + completion, no padding) are concatenated
+into one row with position ids restarting at 0 per sequence and no attention mask. transformers
+reads the restarts as document boundaries (``masking_utils.find_packed_sequence_indices``: a
+block-diagonal causal mask for sdpa / eager / flex attention; varlen kernels for flash attention,
+which needs the single row), so each sequence attends only to itself, as in the padded rows, and
+no compute or logits are spent on padding. Models whose linear-attention layers carry state along
+the row (Qwen3.5's Gated DeltaNet) and attention kernels that ignore the restarts are refused.
 """
 
 from __future__ import annotations
@@ -15,12 +23,16 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from tandem_lit.errors import ConfigError
 from tandem_lit.rollout.record import Rollout
 from tandem_lit.rollout.weights import plain_model
 
 log = logging.getLogger(__name__)
 
 CHUNK_ELEMENTS = 2**28  # float logits per chunk (1 GiB)
+# attention implementations that turn restarting position ids into document-masked attention
+# (transformers 5: the mask functions of masking_utils, and flash attention's varlen path)
+PACKED_ATTENTION = frozenset({"sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4"})
 
 
 def avoid_cudnn_attention_backward() -> None:
@@ -57,15 +69,55 @@ def completion_hidden_states(model: nn.Module, rollout: Rollout) -> Tensor:  # -
     return hidden[:, -width - 1 : -1]
 
 
-def completion_logprobs(model: nn.Module, rollout: Rollout, temperature: float) -> Tensor:  # -> [N, T]
+def check_packable(model: nn.Module) -> None:
+    """Fail with one line when packed rows would let sequences see each other in ``model``."""
+    config = plain_model(model).config
+    attention = getattr(config, "_attn_implementation", None)
+    if attention not in PACKED_ATTENTION:
+        raise ConfigError(
+            f"memory.pack_sequences needs an attention implementation that separates packed sequences "
+            f"({', '.join(sorted(PACKED_ATTENTION))}); this model uses {attention!r}: set pack_sequences: false"
+        )
+    if "linear_attention" in (getattr(config, "layer_types", None) or []):
+        raise ConfigError(
+            "memory.pack_sequences: this model has linear-attention layers (Gated DeltaNet), whose state "
+            "would run from one packed sequence into the next: set pack_sequences: false"
+        )
+
+
+def packed_hidden_states(model: nn.Module, rollout: Rollout) -> Tensor:  # -> [C, H]
+    """The backbone's hidden states that predict each written completion token (C of them, in
+    the row-major order of ``rollout.completion_mask``), from one packed row of all sequences."""
+    check_packable(model)
+    written = rollout.completion_mask
+    ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], dim=1)
+    real = torch.cat([rollout.prompt_mask.bool(), written], dim=1)  # [N, P + T]
+    positions = real.long().cumsum(-1) - 1
+    # where each real token lands in the packed row; a completion token is predicted by the
+    # token before it, which is in the same sequence (every prompt has a token)
+    slots = (real.flatten().long().cumsum(0) - 1).view_as(real)
+    predictors = slots[:, rollout.prompt_ids.shape[1] :][written] - 1
+    forward = getattr(model, "completion_hidden", None) or functools.partial(last_hidden_state, model)
+    # no cache: transformers reads restarting position ids as packed sequences only without one
+    # (masking_utils._preprocess_mask_arguments), and config.use_cache would make one
+    hidden = forward(input_ids=ids[real].unsqueeze(0), position_ids=positions[real].unsqueeze(0), use_cache=False)
+    return hidden[0, predictors]
+
+
+def completion_logprobs(model: nn.Module, rollout: Rollout, temperature: float, packed: bool = False) -> Tensor:  # -> [N, T]
     """log p(token_t | prompt, tokens_<t) of every completion token, logits divided by
-    ``temperature`` (if > 0). Padding positions get some value; callers mask them."""
+    ``temperature`` (if > 0). Padding positions get some value (0 when ``packed``); callers mask
+    them. ``packed``: one forward over the concatenated sequences (module docstring)."""
     causal_lm = plain_model(model)
     head = causal_lm.get_output_embeddings()
     softcap = getattr(causal_lm.config, "final_logit_softcapping", None)
     completion = rollout.completion_ids
+    if packed:  # the written tokens as one row: no logits for padding either
+        written = rollout.completion_mask
+        hidden, completion = packed_hidden_states(model, rollout).unsqueeze(0), completion[written].unsqueeze(0)
+    else:
+        hidden = completion_hidden_states(model, rollout)
     width = completion.shape[1]
-    hidden = completion_hidden_states(model, rollout)
 
     def chunk_logprobs(h: Tensor, targets: Tensor) -> Tensor:
         logits = head(h).float()
@@ -83,7 +135,10 @@ def completion_logprobs(model: nn.Module, rollout: Rollout, temperature: float) 
             parts.append(checkpoint(chunk_logprobs, h, targets, use_reentrant=False))
         else:
             parts.append(chunk_logprobs(h, targets))
-    return torch.cat(parts, dim=1)
+    logp = torch.cat(parts, dim=1) if parts else hidden.new_zeros(completion.shape, dtype=torch.float32)
+    if packed:
+        return logp.new_zeros(written.shape).masked_scatter(written, logp[0])
+    return logp
 
 
 @torch.no_grad()

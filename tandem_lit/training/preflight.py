@@ -11,6 +11,8 @@ measures: each ends the run with one line naming the setting and the fix.
   of different sizes (checkpoints pad their embeddings to a multiple of 64 or 128): the rows past
   the tokenizer's ids are never sampled, because every engine samples from the tokenizer's ids
   only (``TandemDecoder`` and ``TextHandoffEngine`` cut the logits at ``len(tokenizer)``).
+- **Packed update passes.** ``memory.pack_sequences`` needs a senior whose attention keeps packed
+  sequences apart (``rollout.logprobs.check_packable``): refused here, not after the first rollouts.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import logging
 from typing import Any, Literal
 
 from tandem_lit.errors import ConfigError
+from tandem_lit.rollout.logprobs import check_packable
 from tandem_lit.rollout.record import Author
 
 log = logging.getLogger(__name__)
@@ -138,6 +141,8 @@ def check(module: Any, stage: Stage) -> None:
     same data and models)."""
     names = {"senior": module.senior_source.path, "junior": getattr(module.junior_source, "path", "")}
     check_vocabularies(module.senior, module.junior, module.tokenizer, module.junior_tokenizer, names)
+    if stage == "fit" and module.memory.pack_sequences:
+        check_packable(module.senior)
     models = {"senior": module.senior, "junior": module.junior}
     contexts = {role: context_length(model) for role, model in models.items() if model is not None}
     datamodule = getattr(module._trainer, "datamodule", None) if module._trainer is not None else None

@@ -127,6 +127,13 @@ class MemorySettings:
             instead of keeping its activations (about a third more update compute).
         micro_batch_tokens: Bound each forward/backward pass by tokens (rows x padded length)
             as well as by ``micro_batch_size`` rows; rows are grouped by length. None: rows only.
+            With ``pack_sequences`` the bound is the packed length (the sum of the rows' tokens).
+        pack_sequences: Run each forward/backward pass of the update as one row of the
+            micro-batch's sequences concatenated (prompt + completion, no padding), position ids
+            restarting per sequence and attention kept within each sequence
+            (``rollout.logprobs``); the same log-probs, loss and gradients as padded rows, without
+            the padding's compute. Needs sdpa, eager, flex or flash attention; not for models
+            with linear-attention layers (Qwen3.5). Off: padded rows.
         check: Before the first step, estimate the step's peak memory from the shapes and fail
             with what does not fit (and which setting to change) instead of running out mid-run.
     """
@@ -135,6 +142,7 @@ class MemorySettings:
     offload_optimizer: bool = False
     gradient_checkpointing: bool = False
     micro_batch_tokens: int | None = None
+    pack_sequences: bool = False
     check: bool = True
 
     def __post_init__(self) -> None:

@@ -1,7 +1,8 @@
 """The update phase of a training step: graded rollouts in, optimiser updates of the senior out.
 
     rewards (overlong policy applied) -> advantages (the objective's)
-    -> old log-probs (only when a step makes several updates) and reference log-probs (KL)
+    -> old log-probs (only when a step makes several updates, and only for the mini-batches
+       after the first: the first one's are its own forward's) and reference log-probs (KL)
     -> per PPO mini-batch: micro-batches (rows, and tokens) -> teacher-forced log-probs
        -> objective loss -> backward; then clip, refuse a non-finite gradient, step
 
@@ -66,15 +67,18 @@ class UpdatePhase:
         per_update = self.settings.mini_batch_size // world if self.settings.mini_batch_size else prompts
         updates = [torch.nonzero((group >= s) & (group < s + per_update)).squeeze(-1) for s in range(0, prompts, per_update)]
         advantages = self.objective.advantages(rewards, group)
-        # the ratio's denominator comes from the training model: recomputed before the first of
-        # several updates; with one update it is the same forward's log-probs, detached
-        old_logp = self.behaviour_logprobs(rollout, device) if self.objective.uses_old_logp and len(updates) > 1 else None
+        # the ratio's denominator comes from the training model before this step's first update.
+        # The first mini-batch's is its own forward's log-probs, detached (no update has happened
+        # yet: with one update that is all of them); the later mini-batches' are computed here,
+        # before the first update changes the weights
+        later = torch.cat(updates[1:]) if len(updates) > 1 else None
+        old_logp = self.behaviour_logprobs(rollout, device, later) if self.objective.uses_old_logp and later is not None else None
         ref_logp = self.reference_logprobs(rollout, device) if self.objective.uses_reference else None
         gap = LogprobGap()
-        if old_logp is not None:
-            gap.add(old_logp, rollout.senior_logprobs, rollout.author)
+        if old_logp is not None and rollout.senior_logprobs is not None:
+            gap.add(old_logp[later], rollout.senior_logprobs[later], rollout.author[later])
         totals: dict[str, float] = {}
-        for rows in updates:
+        for index, rows in enumerate(updates):
             mask = allowed[rows] if allowed is not None else None
             scale = self.objective.loss_scale(rollout.author[rows], advantages[rows], self.sampling.max_new_tokens, mask)
             micros = self.micro_batches(rollout, rows)
@@ -87,14 +91,17 @@ class UpdatePhase:
                 part = rollout.select(micro).trimmed()
                 width = part.completion_ids.shape[1]
                 logp = self.sequence_logprobs(self.senior, part)
-                if old_logp is None:
+                if old_logp is None or index == 0:
                     gap.add(logp, part.senior_logprobs, part.author)
+                old = None
+                if old_logp is not None:
+                    old = logp.detach() if index == 0 else old_logp[micro, :width]
                 inputs = ObjectiveInputs(
                     logp=logp,
                     author=part.author,
                     rewards=rewards[micro],
                     group=group[micro],
-                    old_logp=old_logp[micro, :width] if old_logp is not None else None,
+                    old_logp=old,
                     ref_logp=ref_logp[micro, :width] if ref_logp is not None else None,
                     advantages=advantages[micro],
                     mask=allowed[micro] if allowed is not None else None,
@@ -147,14 +154,14 @@ class UpdatePhase:
 
     def micro_batches(self, rollout: Rollout, rows: Tensor) -> list[Tensor]:
         """The rows of one update in forward/backward passes of at most ``micro_batch_size`` rows
-        and ``memory.micro_batch_tokens`` padded tokens (``memory.pack_by_tokens``). The gradient
-        is a sum over rows: grouping does not change it."""
+        and ``memory.micro_batch_tokens`` tokens, padded or packed (``memory.pack_by_tokens``).
+        The gradient is a sum over rows: grouping does not change it."""
         size = self.settings.micro_batch_size
         if self.memory.micro_batch_tokens is None:
             return list(rows.split(size))
         prompts, completions = rollout.prompt_mask.sum(-1)[rows].tolist(), rollout.lengths[rows].tolist()
-        packed = pack_by_tokens(prompts, completions, size, self.memory.micro_batch_tokens)
-        return [rows[torch.tensor(b, device=rows.device)] for b in packed]
+        passes = pack_by_tokens(prompts, completions, size, self.memory.micro_batch_tokens, self.memory.pack_sequences)
+        return [rows[torch.tensor(b, device=rows.device)] for b in passes]
 
     # ------------------------------------------------------------------------------ log-probs
 
@@ -163,13 +170,16 @@ class UpdatePhase:
 
         Logits are divided by the sampling temperature, as the sampler drew from that
         distribution (the TRL / verl convention), so importance ratios compare like with like.
+        ``memory.pack_sequences``: the rows run packed into one row (``rollout.logprobs``).
         """
-        return completion_logprobs(model, rollout, self.sampling.temperature if temperature is None else temperature)
+        temperature = self.sampling.temperature if temperature is None else temperature
+        return completion_logprobs(model, rollout, temperature, packed=self.memory.pack_sequences)
 
     @torch.no_grad()
-    def behaviour_logprobs(self, rollout: Rollout, device: torch.device) -> Tensor:  # -> [N, T]
-        """Senior log-probs before any update of this step (the ratio's denominator)."""
-        return self.logprobs_by_rows(rollout, device, lambda part: self.sequence_logprobs(self.senior, part))
+    def behaviour_logprobs(self, rollout: Rollout, device: torch.device, rows: Tensor | None = None) -> Tensor:  # -> [N, T]
+        """Senior log-probs before any update of this step (the ratio's denominator), of ``rows``
+        (None: all; other rows stay 0)."""
+        return self.logprobs_by_rows(rollout, device, lambda part: self.sequence_logprobs(self.senior, part), rows)
 
     @torch.no_grad()
     def reference_logprobs(self, rollout: Rollout, device: torch.device) -> Tensor:  # -> [N, T]
@@ -179,9 +189,13 @@ class UpdatePhase:
         with self.senior.disable_adapter():
             return self.logprobs_by_rows(rollout, device, lambda part: self.sequence_logprobs(self.senior, part))
 
-    def logprobs_by_rows(self, rollout: Rollout, device: torch.device, logprobs: Callable[[Rollout], Tensor]) -> Tensor:  # -> [N, T]
-        """``logprobs`` over the whole batch in micro-batches, padding columns trimmed per pass."""
-        rows = torch.arange(rollout.completion_ids.shape[0], device=device)
+    def logprobs_by_rows(
+        self, rollout: Rollout, device: torch.device, logprobs: Callable[[Rollout], Tensor], rows: Tensor | None = None,
+    ) -> Tensor:  # -> [N, T]
+        """``logprobs`` of ``rows`` (None: the whole batch) in micro-batches, padding columns
+        trimmed per pass; other rows stay 0."""
+        if rows is None:
+            rows = torch.arange(rollout.completion_ids.shape[0], device=device)
         out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=device)
         for micro in self.micro_batches(rollout, rows):
             part = logprobs(rollout.select(micro).trimmed())
