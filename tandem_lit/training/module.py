@@ -73,6 +73,19 @@ log = logging.getLogger(__name__)
 OptimizerCallable = Callable[[Iterable], torch.optim.Optimizer]
 
 
+class _OfRolloutPhase:
+    """A module attribute kept in its rollout phase (the tokenizers: the phase encodes every prompt)."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, module, owner=None):
+        return self if module is None else getattr(module.rollouts, self.name)
+
+    def __set__(self, module, value) -> None:
+        setattr(module.rollouts, self.name, value)
+
+
 class TandemModule(EvaluationSteps, L.LightningModule):
     """Tandem RL of a senior LM with a frozen junior co-author.
 
@@ -149,22 +162,8 @@ class TandemModule(EvaluationSteps, L.LightningModule):
     def sampling(self):
         return self.rollout_settings.sampling
 
-    # the tokenizers live in the rollout phase, which encodes every prompt; these name them here
-    @property
-    def tokenizer(self):
-        return self.rollouts.tokenizer
-
-    @tokenizer.setter
-    def tokenizer(self, value) -> None:
-        self.rollouts.tokenizer = value
-
-    @property
-    def junior_tokenizer(self):
-        return self.rollouts.junior_tokenizer
-
-    @junior_tokenizer.setter
-    def junior_tokenizer(self, value) -> None:
-        self.rollouts.junior_tokenizer = value
+    tokenizer = _OfRolloutPhase()
+    junior_tokenizer = _OfRolloutPhase()
 
     # ----------------------------------------------------------------------------------- models
 
@@ -174,7 +173,7 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         self.tokenizer = load_tokenizer(self.senior_source)
         senior = load_causal_lm(self.senior_source, quantization_config(self.lora))
         if self.lora is None:
-            self.check_weight_precision(senior)
+            preflight.check_weight_precision(senior, self.update_settings.allow_low_precision_weights)
         else:
             senior = apply_lora(senior, self.lora)
         if self.memory.gradient_checkpointing:
@@ -214,16 +213,6 @@ class TandemModule(EvaluationSteps, L.LightningModule):
                     self.engine.load_weights(rollout_named_tensors(self.senior))
             self._engine_version = self._policy_version
         return self.engine
-
-    def check_weight_precision(self, senior: nn.Module) -> None:
-        dtype = next(senior.parameters()).dtype
-        if dtype in (torch.bfloat16, torch.float16) and not self.update_settings.allow_low_precision_weights:
-            raise ConfigError(
-                f"the senior's weights are {dtype} and would be trained in place: optimiser updates below the "
-                f"{dtype} rounding step vanish (at lr 1e-6 most AdamW updates do). Load it with dtype: float32 "
-                "(add trainer.precision: bf16-mixed for bf16 compute), train LoRA adapters, or set "
-                "update.allow_low_precision_weights: true if you mean it."
-            )
 
     def memory_estimate(self, prompts_per_step: int | None = None, mixed_precision: bool | None = None,
                         decode_dtype: torch.dtype | None = None):

@@ -20,6 +20,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Literal
 
+import torch
+
 from tandem_lit.errors import ConfigError
 from tandem_lit.rollout.logprobs import check_packable
 from tandem_lit.rollout.record import Author
@@ -30,6 +32,18 @@ Stage = Literal["fit", "validate", "test", "predict"]
 
 # config attributes that hold a model's context length, by architecture family
 CONTEXT_ATTRIBUTES = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+def check_weight_precision(senior, allowed: bool) -> None:
+    """A full-weight senior in bf16/fp16 would silently barely train (``update.allow_low_precision_weights``)."""
+    dtype = next(senior.parameters()).dtype
+    if dtype in (torch.bfloat16, torch.float16) and not allowed:
+        raise ConfigError(
+            f"the senior's weights are {dtype} and would be trained in place: optimiser updates below the "
+            f"{dtype} rounding step vanish (at lr 1e-6 most AdamW updates do). Load it with dtype: float32 "
+            "(add trainer.precision: bf16-mixed for bf16 compute), train LoRA adapters, or set "
+            "update.allow_low_precision_weights: true if you mean it."
+        )
 
 
 def text_config(model):
