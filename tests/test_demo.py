@@ -221,7 +221,11 @@ def test_shortened_demo_clears_jargon_only_with_handoffs(monkeypatch, tmp_path, 
         assert summary["eval/senior_jargon_rate"]["first"] >= 0.9  # the senior starts out in jargon
         assert summary["eval/senior_accuracy"]["first"] > summary["eval/junior_accuracy"]["first"] + 0.1
     assert tandem["eval/senior_jargon_rate"]["last"] <= 0.2
-    assert control["eval/senior_jargon_rate"]["last"] >= 0.9
+    # the control keeps most of its jargon where the tandem run loses it. How much it keeps in 8
+    # updates depends on the build of the demo models (CPU, threads): >= 0.9 in earlier builds,
+    # 0.817 in a build on 2026-12-02 with both this code and the code before that day's changes
+    assert control["eval/senior_jargon_rate"]["last"] >= 0.75
+    assert control["eval/senior_jargon_rate"]["last"] - tandem["eval/senior_jargon_rate"]["last"] >= 0.5
     assert tandem["eval/senior_accuracy"]["last"] > tandem["eval/junior_accuracy"]["last"]
     assert (tmp_path / "demo" / "plots" / "jargon_rate.png").exists()
     from tandem_lit.demo.figures import draw, table
@@ -269,11 +273,12 @@ def test_language_configs_parse(config, capsys):
     assert info.value.code == 0
     model = yaml.safe_load(capsys.readouterr().out)["model"]["init_args"]
     assert (model["senior"]["path"], model["junior"]["path"]) == ("demo://language/senior", "demo://language/junior")
-    assert model["language"]["class_path"] == "tandem_lit.evaluation.language.WordListLanguageShare"
-    assert model["language"]["init_args"]["words"] == {code: list(listed) for code, listed in VOCABULARY.items()}
+    language = model["logging"]["language"]
+    assert language["class_path"] == "tandem_lit.evaluation.language.WordListLanguageShare"
+    assert language["init_args"]["words"] == {code: list(listed) for code, listed in VOCABULARY.items()}
     handoff = model["handoff"]["class_path"].rsplit(".", 1)[-1]
     assert handoff == ("SoloHandoff" if "control" in config else "WordHandoff")
-    assert model["eval_modes"] == ["senior", "tandem", "junior"]
+    assert model["evaluation"]["modes"] == ["senior", "tandem", "junior"]
 
 
 @pytest.mark.usefixtures("in_repo")
