@@ -99,20 +99,20 @@ class RolloutPhase:
         seeds = sequence_seeds(sampling.seed, key, (max(row_ids) + 1 if row_ids else len(rows)) * sampling.n)
         if row_ids:  # the seeds these rows get in one process
             seeds = seeds.view(-1, sampling.n)[torch.tensor(row_ids)].reshape(-1)
-        queues = self.ready_engine().queues_rows
-        per_call = len(rows) if queues else max(1, (self.settings.batch_size or len(rows) * sampling.n) // sampling.n)
+        engine = self.ready_engine()
+        per_call = len(rows) if engine.queues_rows else max(1, (self.settings.batch_size or len(rows) * sampling.n) // sampling.n)
         parts = []
         for start in range(0, len(rows), per_call):
             chunk = rows[start : start + per_call]
-            part = self._generate_chunk(chunk, policy, sampling, seeds[start * sampling.n : (start + len(chunk)) * sampling.n])
+            part = self._generate_chunk(engine, chunk, policy, sampling, seeds[start * sampling.n : (start + len(chunk)) * sampling.n])
             part.group += start
             parts.append(part)
-        return parts[0] if len(parts) == 1 else concat_results(parts, self.ready_engine().pad_token_id)
+        return parts[0] if len(parts) == 1 else concat_results(parts, engine.pad_token_id)
 
-    def _generate_chunk(self, rows: list[dict[str, Any]], policy: HandoffPolicy, sampling: SamplingConfig, seeds: Tensor) -> RolloutResult:
+    def _generate_chunk(self, engine: RolloutEngine, rows: list[dict[str, Any]], policy: HandoffPolicy, sampling: SamplingConfig,
+                        seeds: Tensor) -> RolloutResult:
         prompts_text = [row["prompt"] for row in rows for _ in range(sampling.n)]
         encoded = self.encode_prompts(prompts_text)
-        engine = self.ready_engine()
         partner = None
         if self.has_junior and (getattr(engine, "needs_partner_prompts", False) or self.settings.junior_prompt_format):
             junior = self.encode_junior_prompts(prompts_text)
