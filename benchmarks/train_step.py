@@ -56,6 +56,7 @@ from tandem_lit.training.memory import GIB  # noqa: E402
 from tandem_lit.verifiers.base import Grade, Verifier  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+VLLM_DEFAULTS = '{"sleep_level": 2, "kv_cache_gib": 64.0, "max_model_len": 4096}'  # configs/rlvr/qwen3_4b_grpo_vllm.yaml
 
 # Architectures of the hub models the configs name (their config.json values that matter here)
 QWEN3 = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_act="silu",
@@ -110,7 +111,8 @@ def model_folder(hub_name: str, tokenizer: str, root: Path) -> str:
 
 def build_module(model_args: dict, arm: str, args, root: Path):
     """TandemModule from the config's ``model`` section (jsonargparse, as the CLI reads it) with
-    the benchmark's overrides; ``arm`` grpo turns the handoff solo and drops the junior."""
+    the benchmark's overrides; ``arm`` grpo turns the handoff solo and drops the junior, and
+    grpo-vllm also decodes with VLLMEngine (``--vllm-kwargs``)."""
     from jsonargparse import ArgumentParser
 
     import tandem_lit.objectives  # noqa: F401  (short class_path names, as in the CLI)
@@ -148,9 +150,15 @@ def build_module(model_args: dict, arm: str, args, root: Path):
     if args.rollout_dtype:
         init["engine"] = {"class_path": "FastEngine" if not args.hf_engine else "HFEngine",
                           "init_args": {"rollout_dtype": args.rollout_dtype}}
+    else:
+        configured = (init.get("engine") or {}).get("class_path", "").endswith("VLLMEngine")
+        if arm == "grpo-vllm" and (args.vllm_kwargs is not None or not configured):
+            init["engine"] = {"class_path": "VLLMEngine", "init_args": json.loads(args.vllm_kwargs or VLLM_DEFAULTS)}
+        elif arm != "grpo-vllm" and configured:
+            init.pop("engine")  # a vLLM config's tandem and FastEngine arms: the default engine
     evaluation = init["evaluation"] = dict(init.get("evaluation") or {}, at_start=False, modes=["senior"])
     init["logging"] = dict(init.get("logging") or {}, completions_every_n_steps=0)
-    if arm == "grpo":
+    if arm in ("grpo", "grpo-vllm"):
         init["handoff"] = {"class_path": "SoloHandoff", "init_args": {"author": "senior"}}
         init.pop("junior", None)
         evaluation.pop("test_handoff", None)
@@ -260,6 +268,20 @@ class StepReport(L.Callback):
 
     def on_fit_start(self, trainer, module):
         self.shapes = UpdateShapes(module)
+        self.device_used = 0.0
+        if trainer.strategy.root_device.type == "cuda":
+            release = module.engine.release
+
+            def sampled_release():  # the rollout's high point: caches (vLLM's KV pool) still held
+                self.sample_device_memory()
+                release()
+
+            module.engine.release = sampled_release
+
+    def sample_device_memory(self) -> None:
+        """Memory in use on the device (all allocators: vLLM's sleep-mode pool included) in GiB."""
+        free, total = torch.cuda.mem_get_info()
+        self.device_used = max(self.device_used, (total - free) / GIB)
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
         if self.full_tokens is None:
@@ -268,11 +290,13 @@ class StepReport(L.Callback):
         if trainer.strategy.root_device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+            self.device_used = 0.0
         self.started = time.perf_counter()
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         if trainer.strategy.root_device.type == "cuda":
             torch.cuda.synchronize()
+            self.sample_device_memory()
         seconds = time.perf_counter() - self.started
         if batch_idx >= self.warmup:
             self.report(module, seconds)
@@ -291,6 +315,7 @@ class StepReport(L.Callback):
             "logp_gap_mean": row.get("train/rollout_logp_gap_mean", float("nan")),
             "logp_gap_max": row.get("train/rollout_logp_gap_max", float("nan")),
             "peak_gb": row.get("train/peak_memory_gb", float("nan")),
+            "device_used_gb": self.device_used,
             "offload_seconds": row.get("train/optimizer_offload_seconds", 0.0),
             "response_length": row["train/response_length"],
             "prompt_width": row.get("train/rollout_prompt_width", float("nan")),
@@ -311,7 +336,8 @@ class StepReport(L.Callback):
               f"{step['offload_seconds']:.1f} s) + update {step['update_seconds']:6.1f} s ({step['update_tflops']:.3g} "
               f"TFLOP over {step['update_trained_tokens']:,} tokens = {step['update_mfu']:.1%} MFU of {self.peak_tflops:g} "
               f"TFLOP/s); logp gap mean "
-              f"{step['logp_gap_mean']:.4f} max {step['logp_gap_max']:.3f}; peak {step['peak_gb']:.1f} GiB")
+              f"{step['logp_gap_mean']:.4f} max {step['logp_gap_max']:.3f}; peak {step['peak_gb']:.1f} GiB "
+              f"(torch allocator; device in use, sampled before the engine releases its caches and at the step end: {step['device_used_gb']:.1f} GiB)")
 
 
 def rank_zero() -> bool:
@@ -399,7 +425,13 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="the tiny test models and the GSM8K sample (CPU check)")
     parser.add_argument("--tokenizer", default=str(REPO.parent / "shared/models/qwen3-tokenizer"))
     parser.add_argument("--problems", default=str(REPO.parent / "shared/data/deepscaler/train/deepscaler_subset_803.json"))
-    parser.add_argument("--arms", nargs="+", default=["tandem", "grpo"], choices=["tandem", "grpo"])
+    parser.add_argument("--arms", nargs="+", default=["tandem", "grpo"], choices=["tandem", "grpo", "grpo-vllm"],
+                        help="grpo-vllm: the GRPO arm decoded by VLLMEngine (needs the vllm extra and CUDA)")
+    parser.add_argument("--engine", choices=["fast", "vllm"], default=None,
+                        help="vllm: the GRPO arm decodes with VLLMEngine (same as --arms ... grpo-vllm)")
+    parser.add_argument("--vllm-kwargs", default=None,
+                        help=f"JSON keyword arguments of VLLMEngine(...) for grpo-vllm (default: the config's engine if it "
+                             f"is VLLMEngine, else {VLLM_DEFAULTS}, as in configs/rlvr/qwen3_4b_grpo_vllm.yaml)")
     parser.add_argument("--steps", type=int, default=1, help="measured steps per arm")
     parser.add_argument("--warmup-steps", type=int, default=2, help="short unreported steps first (32 tokens)")
     parser.add_argument("--prompts", type=int, default=None, help="prompts per step (default: the config's data batch_size)")
@@ -427,6 +459,16 @@ def main() -> None:
                              "each rollout's length drawn from its seed (the long tail of real RL responses)")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
+    if args.engine == "vllm":
+        args.arms = ["grpo-vllm" if arm == "grpo" else arm for arm in args.arms]
+    if "grpo-vllm" in args.arms:
+        from tandem_lit.errors import MissingDependencyError
+        from tandem_lit.rollout.vllm_engine import import_vllm
+
+        try:
+            import_vllm()
+        except MissingDependencyError as error:  # before any model is built: one line, not a traceback an arm later
+            parser.error(str(error))
 
     config = yaml.safe_load(Path(args.config).read_text())
     model_args, trainer_args = config["model"]["init_args"], config.get("trainer", {})
@@ -463,6 +505,10 @@ def main() -> None:
         bytes_ratio = tandem["roofline_ms"] / grpo["roofline_ms"]
         ideal = (grpo["rollout_seconds"] * bytes_ratio + grpo["update_seconds"]) / (grpo["rollout_seconds"] + grpo["update_seconds"])
         print(f"tandem_over_grpo_step={tandem['step_seconds'] / grpo['step_seconds']:.2f} ideal={ideal:.2f} peak_gb={peak:.1f}")
+    elif {"grpo", "grpo-vllm"} <= set(results):
+        fast, vllm = (min(results[a]["steps"], key=lambda s: s["step_seconds"]) for a in ("grpo", "grpo-vllm"))
+        print(f"vllm_over_fast_grpo_step={vllm['step_seconds'] / fast['step_seconds']:.2f} "
+              f"rollout={vllm['rollout_seconds'] / fast['rollout_seconds']:.2f} peak_gb={peak:.1f}")
     else:
         arm = next(iter(results.values()))
         print(f"{arm['arm']}_step_seconds={min(s['step_seconds'] for s in arm['steps']):.1f} peak_gb={peak:.1f}")

@@ -3,9 +3,12 @@ script the GPU numbers come from cannot rot unnoticed."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
+
+import pytest
 
 
 def test_train_step_benchmark_tiny(repo_root, tmp_path):
@@ -39,6 +42,21 @@ def test_train_step_benchmark_with_lognormal_lengths_trains_on_each_rollouts_own
     assert run.returncode == 0, run.stderr[-3000:]
     (step,) = json.loads(out.read_text())["arms"]["grpo"]["steps"]
     assert 1 <= step["response_length"] < 12  # a median-6 draw capped at 16, not the fixed 16
+
+
+def test_train_step_benchmark_vllm_arm_without_vllm_is_one_line(repo_root):
+    """--engine vllm (the GRPO arm decoded by VLLMEngine) where vLLM is not installed (CI): the
+    script stops before building anything, with the line naming the extra."""
+    pytest.importorskip("torch")
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    run = subprocess.run(
+        [sys.executable, "benchmarks/train_step.py", "--device", "cpu", "--tiny", "--engine", "vllm"],
+        cwd=repo_root, capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines()[-1].endswith("install it with: pip install 'tandem-lit[vllm]'")
+    assert "Traceback" not in run.stderr
 
 
 def test_activation_bytes_counts_what_each_layer_type_saves(repo_root, monkeypatch):
