@@ -325,11 +325,23 @@ def gpu_setup(tokenizer):
     """One real VLLMEngine for the module (vLLM holds one engine per process), float32 so that
     greedy decoding compares with the transformers forward."""
     senior = tiny_qwen3(len(tokenizer)).cuda()
+    # colocated as in training: a model's worth of the card is taken before vLLM starts (vLLM's
+    # default start check wants 92% of the card free, which beside a training model never is)
+    training_model = torch.empty(int(0.2 * torch.cuda.mem_get_info()[1]), dtype=torch.uint8, device="cuda")
     engine = VLLMEngine(rollout_dtype="float32", kv_cache_gib=2.0, max_model_len=512, enforce_eager=True, sleep_level=2)
     engine.setup(senior, None, tokenizer)
+    del training_model
     reference = HFEngine(rollout_dtype="float32")  # decodes the float32 senior in place: follows its updates
     reference.setup(senior, None, tokenizer)
     return senior, engine, reference
+
+
+@gpu
+def test_gpu_a_kv_cache_larger_than_the_free_memory_is_one_line(gpu_setup, tokenizer):
+    senior, _, _ = gpu_setup
+    too_big = torch.cuda.mem_get_info()[1] / (1 << 30)  # the whole card
+    with pytest.raises(ConfigError, match=r"kv_cache_gib=\S+ does not fit: .* lower kv_cache_gib"):
+        VLLMEngine(kv_cache_gib=too_big).setup(senior, None, tokenizer)
 
 
 def teacher_forced(senior, rollout, temperature: float = 1.0):  # -> [B, T] each token's log-prob, [B, T] the best

@@ -58,6 +58,7 @@ from tandem_lit.rollout.weights import (
 
 INSTALL_HINT = "pip install 'tandem-lit[vllm]'"
 GIB = 1 << 30
+START_MARGIN_GIB = 4  # vLLM's activations, sampler and CUDA graphs beside its KV cache and weights
 
 
 def import_vllm():
@@ -98,6 +99,26 @@ def row_budgets(prompts: PromptBatch, limit: int) -> list[int]:
             f"PromptBatch.max_new_tokens must lie in 1..{limit} (sampling.max_new_tokens), got {min(budgets)}..{max(budgets)}"
         )
     return budgets
+
+
+def start_utilization(kv_cache_gib: float, weight_bytes: int, device: torch.device) -> float:
+    """vLLM's ``gpu_memory_utilization`` when its KV cache is given in GiB.
+
+    The KV cache is then ``kv_cache_memory_bytes`` and the utilization only gates the start: vLLM
+    refuses to start unless that share of the whole card is free, and beside the training model
+    (colocated) its default 0.92 never is. So ask for what is free now, after checking, in one
+    line, that the KV cache and vLLM's weights fit in it (with ``START_MARGIN_GIB`` for its
+    activations and graphs).
+    """
+    free, total = torch.cuda.mem_get_info(device)
+    needed = kv_cache_gib * GIB + weight_bytes + START_MARGIN_GIB * GIB
+    if free < needed:
+        raise ConfigError(
+            f"VLLMEngine kv_cache_gib={kv_cache_gib:g} does not fit: {free / GIB:.1f} GiB of the GPU are free beside "
+            f"the training model, and vLLM needs {needed / GIB:.1f} (KV cache + {weight_bytes / GIB:.1f} GiB of weights "
+            f"+ {START_MARGIN_GIB} for activations): lower kv_cache_gib"
+        )
+    return (free - GIB // 2) / total
 
 
 class VLLMEngine(RolloutEngine):
@@ -330,6 +351,9 @@ class VLLMEngine(RolloutEngine):
             kwargs["max_model_len"] = self.max_model_len
         if self.kv_cache_gib is not None:
             kwargs["kv_cache_memory_bytes"] = int(self.kv_cache_gib * GIB)
+            if self.device.type == "cuda":
+                weights = sum(p.numel() for p in plain_model(self.trained_senior).parameters()) * dtype.itemsize
+                kwargs["gpu_memory_utilization"] = start_utilization(self.kv_cache_gib, weights, self.device)
         else:
             kwargs["gpu_memory_utilization"] = self.gpu_memory_utilization
         if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
