@@ -121,7 +121,7 @@ def test_the_vllm_grpo_config_parses_with_the_engine(capsys):
     assert info.value.code == 0
     model = yaml.safe_load(capsys.readouterr().out)["model"]["init_args"]
     assert model["engine"]["class_path"].endswith(".VLLMEngine")
-    assert {"sleep_level": 2, "kv_cache_gib": 64.0, "max_model_len": 4096}.items() <= model["engine"]["init_args"].items()
+    assert {"sleep_level": 2, "kv_cache_gib": "plan", "max_model_len": 4096}.items() <= model["engine"]["init_args"].items()
     assert model["handoff"] == {"class_path": "tandem_lit.rollout.SoloHandoff", "init_args": {"author": "senior"}}
     assert model["evaluation"]["modes"] == ["senior"]
 
@@ -437,3 +437,31 @@ def test_gpu_release_frees_memory_and_new_weights_are_decoded(gpu_setup, tokeniz
     assert_same_greedy(reference.generate(prompts, SoloHandoff(), greedy), after, senior, logprob_atol=0.05)
     engine.load_weights(rollout_named_tensors(senior))  # awake this time: the prefix cache is reset
     assert_same_rollouts(after, engine.generate(prompts, SoloHandoff(), greedy), logprob_atol=1e-5)
+
+
+def test_kv_cache_plan_is_the_memory_plans_kv_line(stand_in_vllm):
+    """``kv_cache_gib: plan``: vLLM's KV cache is what the training run's memory plan gives the
+    rollout phase's KV caches (rollout.batch_size sequences of prompt + completion caps)."""
+    from conftest import tiny_tandem_module
+
+    from tandem_lit.objectives import GRPO
+    from tandem_lit.verifiers import GSM8KVerifier
+
+    module = tiny_tandem_module(
+        verifier=GSM8KVerifier(), objective=GRPO(), junior=None, handoff=SoloHandoff("senior"), rollout_batch_size=8, max_prompt_tokens=64,
+        sampling=SamplingConfig(temperature=0.0, max_new_tokens=32, n=2),
+        engine=VLLMEngine(kv_cache_gib="plan", rollout_dtype="float32"),
+    )
+    module.configure_model()
+    engine = module.ready_engine()
+    planned = module.memory_estimate().rollout["KV caches"]
+    # min(rollout.batch_size 8, 1 prompt (no data module) x n 2) = 2 sequences x (64 + 32) tokens
+    # x the tiny senior's K and V per token, float32
+    assert planned == 2 * (64 + 32) * module.engine.senior.config.num_hidden_layers * 2 * 4 * (
+        module.engine.senior.config.num_key_value_heads * module.engine.senior.config.head_dim)
+    assert engine.llm.kwargs["kv_cache_memory_bytes"] == planned
+
+
+def test_kv_cache_plan_outside_a_training_run_is_one_line(stand_in_vllm, tokenizer):
+    with pytest.raises(ConfigError, match="kv_cache_gib: plan sizes the KV cache from a training run's memory plan"):
+        VLLMEngine(kv_cache_gib="plan", rollout_dtype="float32").setup(tiny_qwen3(len(tokenizer)), None, tokenizer)

@@ -110,6 +110,9 @@ class RolloutEngine(ABC):
     # VLLMEngine). False: callers send at most ``max_batch`` rows per call (HFEngine).
     queues_rows: bool = False
     max_batch: int | None = None
+    # True: the engine sizes its KV cache from the training run's memory plan, whose KV bytes go
+    # to its ``plan_kv_cache(bytes)`` before ``setup`` (VLLMEngine's ``kv_cache_gib: plan``)
+    wants_kv_plan: bool = False
 
     def setup(self, senior: nn.Module, junior: nn.Module | None, tokenizer, junior_tokenizer=None) -> None:
         check_shared_tokenizer(tokenizer, junior_tokenizer)

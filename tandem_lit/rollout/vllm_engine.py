@@ -35,7 +35,7 @@ import importlib
 import os
 import tempfile
 import time
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -128,7 +128,11 @@ class VLLMEngine(RolloutEngine):
         sleep_level: What ``release`` frees: 1 drops the KV cache and moves the weights to host
             memory (the next wake copies them back), 2 drops both (the next ``load_weights``, which
             follows every update anyway, refills them; no host copy).
-        kv_cache_gib: vLLM's KV cache in GiB. None: sized by ``gpu_memory_utilization``.
+        kv_cache_gib: vLLM's KV cache in GiB; ``plan``: what the training memory plan gives the
+            rollout phase's KV caches (``rollout.batch_size`` sequences of ``max_prompt_tokens`` +
+            ``max_new_tokens``: every sequence running at once can reach its cap), checked against
+            the card with the rest of the step before the first rollout. None: sized by
+            ``gpu_memory_utilization``.
         gpu_memory_utilization: Share of the GPU's memory vLLM may hold (weights, activations and
             KV cache) when ``kv_cache_gib`` is None. The training model is beside it: keep it low.
         enforce_eager: No CUDA graphs and no torch.compile (faster start, slower decoding).
@@ -144,7 +148,7 @@ class VLLMEngine(RolloutEngine):
     def __init__(
         self,
         sleep_level: int = 1,
-        kv_cache_gib: float | None = None,
+        kv_cache_gib: float | Literal["plan"] | None = None,
         gpu_memory_utilization: float = 0.3,
         enforce_eager: bool = False,
         max_model_len: int | None = None,
@@ -153,8 +157,8 @@ class VLLMEngine(RolloutEngine):
     ):
         if sleep_level not in (1, 2):
             raise ConfigError(f"VLLMEngine sleep_level must be 1 (weights to host memory) or 2 (weights dropped), got {sleep_level}")
-        if kv_cache_gib is not None and kv_cache_gib <= 0:
-            raise ConfigError(f"VLLMEngine kv_cache_gib must be > 0 GiB or None, got {kv_cache_gib}")
+        if kv_cache_gib not in (None, "plan") and not (isinstance(kv_cache_gib, (int, float)) and kv_cache_gib > 0):
+            raise ConfigError(f"VLLMEngine kv_cache_gib must be > 0 GiB, 'plan' or None, got {kv_cache_gib!r}")
         if not 0 < gpu_memory_utilization <= 1:
             raise ConfigError(f"VLLMEngine gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         if check_rollout_dtype(rollout_dtype) == "live":
@@ -173,8 +177,16 @@ class VLLMEngine(RolloutEngine):
         self._asleep: set[str] = set()  # vLLM memory tags now released: "weights", "kv_cache"
         self._weights_lost = False  # a level-2 sleep dropped them and nothing has been loaded since
         self._last_timing: dict[str, float] | None = None
+        self.planned_kv_bytes: int | None = None
 
     check_policy = staticmethod(check_policy)
+
+    @property
+    def wants_kv_plan(self) -> bool:
+        return self.kv_cache_gib == "plan"
+
+    def plan_kv_cache(self, kv_bytes: int) -> None:
+        self.planned_kv_bytes = int(kv_bytes)
 
     # ------------------------------------------------------------------------------ weights
 
@@ -350,10 +362,16 @@ class VLLMEngine(RolloutEngine):
         if self.max_model_len is not None:
             kwargs["max_model_len"] = self.max_model_len
         if self.kv_cache_gib is not None:
-            kwargs["kv_cache_memory_bytes"] = int(self.kv_cache_gib * GIB)
+            kv_gib = self.kv_cache_gib
+            if kv_gib == "plan":
+                if self.planned_kv_bytes is None:
+                    raise ConfigError("VLLMEngine kv_cache_gib: plan sizes the KV cache from a training run's memory "
+                                      "plan, and this engine was set up outside one: give kv_cache_gib in GiB")
+                kv_gib = self.planned_kv_bytes / GIB
+            kwargs["kv_cache_memory_bytes"] = int(kv_gib * GIB)
             if self.device.type == "cuda":
                 weights = sum(p.numel() for p in plain_model(self.trained_senior).parameters()) * dtype.itemsize
-                kwargs["gpu_memory_utilization"] = start_utilization(self.kv_cache_gib, weights, self.device)
+                kwargs["gpu_memory_utilization"] = start_utilization(kv_gib, weights, self.device)
         else:
             kwargs["gpu_memory_utilization"] = self.gpu_memory_utilization
         if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
