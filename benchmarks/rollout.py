@@ -266,6 +266,8 @@ def useful_rows(args, part: str) -> list[dict]:
         batches, prompt_len, repeats = args.batches or [64], args.prompt or 128, args.repeats or 1
         if args.models == "qwen35-9b-2b":
             shapes, vocab = (QWEN35_9B, QWEN35_2B), 248320
+        elif args.models == "qwen3-4b-4b":
+            shapes = (QWEN3_4B, QWEN3_4B)
     params = parse_lengths(args.lengths, args.tiny) or {"cap": (args.new_tokens or [64 if args.tiny else 1024])[0]}
     cap = params["cap"]
     tokenizer = synthetic_tokenizer(vocab)
@@ -372,8 +374,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true", help="tiny models (CPU regression check)")
-    parser.add_argument("--models", choices=["qwen3-4b-1.7b", "qwen35-9b-2b"], default="qwen3-4b-1.7b",
-                        help="model shapes: Qwen3-4B/1.7B, or Qwen3.5-9B/2B (hybrid linear + full attention)")
+    parser.add_argument("--models", choices=["qwen3-4b-1.7b", "qwen3-4b-4b", "qwen35-9b-2b"], default="qwen3-4b-1.7b",
+                        help="model shapes: Qwen3-4B/1.7B, Qwen3-4B/4B (the self-paired tandem), or Qwen3.5-9B/2B (hybrid linear + full attention)")
     parser.add_argument("--batches", type=int, nargs="+", default=None)
     parser.add_argument("--new-tokens", type=int, nargs="+", default=None)
     parser.add_argument("--prompt", type=int, default=None, help="prompt tokens")
@@ -407,7 +409,7 @@ def main() -> None:
         shapes, vocab, dtype = (QWEN35_9B, QWEN35_2B), 248320, torch.bfloat16
         batches, new_tokens, prompt_len, repeats = args.batches or [16, 64], args.new_tokens or [256], args.prompt or 128, args.repeats or 1
     else:
-        shapes, vocab, dtype = (QWEN3_4B, QWEN3_1_7B), 151936, torch.bfloat16
+        shapes, vocab, dtype = (QWEN3_4B, QWEN3_4B if args.models == "qwen3-4b-4b" else QWEN3_1_7B), 151936, torch.bfloat16
         batches, new_tokens, prompt_len, repeats = args.batches or [16, 64, 256], args.new_tokens or [256, 1024], args.prompt or 128, args.repeats or 1
     tokenizer = synthetic_tokenizer(vocab)
     build = build_qwen35 if args.models == "qwen35-9b-2b" and not args.tiny else build_qwen3
@@ -420,7 +422,8 @@ def main() -> None:
     senior_w, junior_w = weight_bytes(senior), weight_bytes(junior)
     senior_kv, junior_kv = kv_bytes_per_token(senior), kv_bytes_per_token(junior)
     senior_state, junior_state = state_bytes_per_sequence(senior), state_bytes_per_sequence(junior)
-    name = "tiny" if args.tiny else ("Qwen3.5-9B / Qwen3.5-2B shapes" if args.models == "qwen35-9b-2b" else "Qwen3-4B / Qwen3-1.7B shapes")
+    name = "tiny" if args.tiny else {"qwen35-9b-2b": "Qwen3.5-9B / Qwen3.5-2B shapes", "qwen3-4b-4b": "Qwen3-4B / Qwen3-4B (self-paired) shapes"}.get(
+        args.models, "Qwen3-4B / Qwen3-1.7B shapes")
     print(f"# device={device} ({torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}) models={name} dtype={dtype}")
     print(f"# weights: senior {senior_w / 1e9:.2f} GB, junior {junior_w / 1e9:.2f} GB; copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     if senior_state or junior_state:
