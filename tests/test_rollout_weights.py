@@ -142,3 +142,4 @@ def test_every_rollout_after_an_update_decodes_the_updated_weights(tmp_path, lor
     assert all(0 < row["train/rollout_logp_gap_mean"] < 0.1 for row in steps)
     assert all(row["train/rollout_logp_gap_max"] >= row["train/rollout_logp_gap_mean"] for row in steps)
     assert all(row["train/rollout_setup_seconds"] > 0 for row in steps), "caches are released and re-allocated"
+    assert all(0 < row["train/rollout_busy_slot_fraction"] <= 1 for row in steps)

@@ -392,4 +392,6 @@ def engine_phases(timing: dict[str, float]) -> dict[str, float]:
         "rollout_decode_seconds": timing["decode_s"],
         "decode_step_ms": 1000 * timing["decode_s"] / max(timing["decode_steps"], 1),
         "rollout_prompt_width": timing["prompt_width"] / timing["calls"],
+        # FastEngine's continuous batching: the share of decoded row-steps that wrote a token
+        **({"rollout_busy_slot_fraction": timing["busy_slot_fraction"] / timing["calls"]} if "busy_slot_fraction" in timing else {}),
     }
