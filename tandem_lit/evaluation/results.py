@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -28,6 +28,10 @@ class RolloutResult:
     @property
     def correct(self) -> list[bool]:
         return [g.correct for g in self.grades]
+
+    def to(self, device: torch.device | str) -> RolloutResult:
+        """The same result with its rollout on ``device`` (group ids and grades stay on the host)."""
+        return replace(self, rollout=self.rollout.to(device))
 
     def groups_with_spread(self) -> list[int]:
         """Prompt indices whose rollouts did not all get the same reward."""

@@ -136,6 +136,12 @@ class Rollout:
         logprobs = self.senior_logprobs[index] if self.senior_logprobs is not None else None
         return Rollout(**picked, texts=[self.texts[i] for i in index.tolist()], senior_logprobs=logprobs)
 
+    def to(self, device: torch.device | str) -> Rollout:
+        """The same rollouts on ``device`` (host copies travel between ranks: a pickled CUDA tensor
+        would come back on the sender's GPU)."""
+        moved = {name: value.to(device) for name, value in vars(self).items() if isinstance(value, Tensor)}
+        return replace(self, **moved)
+
     def trimmed(self) -> Rollout:
         """The same rows without columns that are padding in every row (prompt columns on the
         left, completion columns on the right): a micro-batch's forward pays for its own longest

@@ -8,9 +8,13 @@ gathered on its own (``unshard``) to fill the rollout copy, and optimizer state 
 parameter. The frozen junior is never sharded: every rank holds a full copy for inference.
 
 How a step runs on W ranks (``TandemModule`` calls the helpers below):
-- every rank iterates the same global batches (one resumable loader state); rank r keeps its
-  share of each PPO mini-batch (``rank_rows``), with the seeds those rows get in one process, so a
-  prompt's rollouts stay on one rank and group advantages need no communication;
+- every rank iterates the same global batches (one resumable loader state) and decides alike
+  which prompts fit ``max_prompt_tokens``; rank r keeps its share of each PPO mini-batch
+  (``rank_rows``, through ``Shares``), with the seeds those rows get in one process, so a prompt's
+  rollouts stay on one rank and group advantages need no communication;
+- dynamic sampling: each round's rows are split over the ranks, the ranks add up which groups have
+  reward spread, so all keep the groups one process keeps, and the kept groups are dealt out
+  again as ``rank_rows`` of them (``Shares.deal``); a step trains a multiple of W groups;
 - the rollout copy is filled once per rollout phase from the gathered shards (``gathered``);
 - the loss is normalised by batch-wide totals (``all_reduce_sum``) and multiplied by W,
   since FSDP averages gradients over ranks: the update equals the one-process update;
@@ -26,6 +30,7 @@ import os
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +46,9 @@ from tandem_lit.rollout.weights import is_sharded, plain_model
 from tandem_lit.training.sharded import is_sharded_checkpoint, load_sharded_into, remove_sharded, save_sharded
 
 # metrics that add up over ranks (counts, throughput) or take the largest; the rest are means
-# (``loss``: each rank's part of the batch-wide normalised loss)
-SUMMED = {"loss", "grader_timeouts", "skipped_long_prompts", "tokens_per_second"}
+# (``loss``: each rank's part of the batch-wide normalised loss; counts every rank takes of the
+# whole batch, such as ``skipped_long_prompts`` and ``kept_groups``, are the same on every rank)
+SUMMED = {"loss", "grader_timeouts", "tokens_per_second"}
 LARGEST = {"peak_memory_gb"}
 
 
@@ -185,9 +191,10 @@ def shard_model(model: nn.Module, mesh, bf16_compute: bool) -> nn.Module:
     return model
 
 
-def check_several_processes(senior: nn.Module, trainer, mini_batch_size: int | None, single_process_only: dict[str, Any]) -> None:
-    """What must hold for W ranks to take equal shares of every step (``rank_rows``);
-    ``single_process_only``: settings (name: value) that need one process when set."""
+def check_several_processes(senior: nn.Module, trainer, mini_batch_size: int | None, prompts_per_step: int | None = None) -> None:
+    """What must hold for W ranks to take equal shares of every step (``rank_rows``): of the data
+    batch, or with dynamic sampling of its ``prompts_per_step`` kept groups (the data batch is then
+    only the pool every rank draws from)."""
     world = trainer.world_size
     check_run_folder(trainer.default_root_dir)
     if not is_sharded(senior):
@@ -195,18 +202,18 @@ def check_several_processes(senior: nn.Module, trainer, mini_batch_size: int | N
             f"{world} processes with trainer.strategy {type(trainer.strategy).__name__}: tandem-lit trains on "
             "several processes with trainer.strategy: fsdp (FSDP2) only"
         )
-    batch_size = getattr(trainer.datamodule, "batch_size", None)
-    if batch_size is not None:
+    if prompts_per_step is None:
+        groups, what = getattr(trainer.datamodule, "batch_size", None), "data batch_size"
+    else:
+        groups, what = prompts_per_step, "rollout.dynamic_sampling.prompts_per_step"
+    if groups is not None:
         try:
-            rank_rows(batch_size, world, 0, mini_batch_size)
+            rank_rows(groups, world, 0, mini_batch_size)
         except ValueError:
             raise ConfigError(
-                f"data batch_size {batch_size} in mini-batches of {mini_batch_size or batch_size} prompts does not "
+                f"{what} {groups} in mini-batches of {mini_batch_size or groups} prompts does not "
                 f"split over {world} processes: make every mini-batch a multiple of {world} prompts"
             ) from None
-    for what, value in single_process_only.items():
-        if value is not None:  # these make ranks' shares unequal
-            raise ConfigError(f"{what} is not supported on several processes yet: unset it, or train on one")
 
 
 def rank_rows(rows: int, world: int, rank: int, prompts_per_update: int | None) -> list[int]:
@@ -222,6 +229,55 @@ def rank_rows(rows: int, world: int, rank: int, prompts_per_update: int | None) 
         share = size // world
         picked += range(start + rank * share, start + (rank + 1) * share)
     return picked
+
+
+@dataclass(frozen=True)
+class Shares:
+    """Which prompt groups of a training step this rank rolls out and trains, and the collectives
+    that keep W ranks deciding alike (``RolloutPhase.training_rollouts``). With one process
+    (``world`` 1, the default) every method is the identity and no collective runs, so one process
+    and W ranks share one code path.
+
+    Every rank sees the whole data batch, so rows that fit ``max_prompt_tokens`` are the same on
+    every rank. A step trains a multiple of W groups, each rank its ``rank_rows`` of them (its
+    part of every PPO mini-batch): the last ``groups % W`` are left out (``balanced``), as DAPO
+    trains a fixed number of prompts per step, because FSDP needs every rank to run the same
+    updates, and unequal shares would leave a rank with nothing to run them on.
+    """
+
+    world: int = 1
+    rank: int = 0
+    prompts_per_update: int | None = None
+    device: torch.device | str = "cpu"
+
+    def balanced(self, groups: int) -> int:
+        """How many of ``groups`` (in one-process order) a step trains: a multiple of W."""
+        return groups - groups % self.world
+
+    def of_step(self, groups: int) -> list[int]:
+        """This rank's places among the ``groups`` a step trains (``balanced`` first)."""
+        return rank_rows(groups, self.world, self.rank, self.prompts_per_update) if groups else []
+
+    def of_round(self, rows: int) -> list[int]:
+        """This rank's rows of a dynamic-sampling round: contiguous, counts differing by one at most
+        (a round refills what is missing, often fewer rows than ranks: some then roll out nothing)."""
+        return list(range(self.rank * rows // self.world, (self.rank + 1) * rows // self.world))
+
+    def total(self, values: list[float]) -> list[float]:
+        """Elementwise sums over ranks of per-row values each rank fills in for its own rows."""
+        return all_reduce_sum(values, self.device) if self.world > 1 and values else values
+
+    def deal(self, kept: dict[int, Any], groups: int) -> list[Any]:
+        """This rank's share of the ``groups`` a step trains, in ``of_step`` order. ``kept`` maps a
+        place in one-process order to a kept group this rank rolled out (anything with ``.to``);
+        the groups another rank trains go there, host copies in one ``all_gather_object``."""
+        mine = self.of_step(groups)
+        if self.world > 1:
+            others = set(range(groups)) - set(mine)
+            everyone: list[Any] = [None] * self.world
+            dist.all_gather_object(everyone, {place: part.to("cpu") for place, part in kept.items() if place in others})
+            kept = {**kept, **{place: part for sent in everyone for place, part in sent.items() if place in mine}}
+        return [kept[place] for place in mine]
 
 
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:

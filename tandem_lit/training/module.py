@@ -53,7 +53,7 @@ from tandem_lit.rollout.record import Author
 from tandem_lit.rollout.weights import gathered, rollout_named_tensors
 from tandem_lit.runs import start_run_record
 from tandem_lit.training import checkpoints, completions, preflight
-from tandem_lit.training.distributed import check_several_processes, rank_rows, reduce_metrics
+from tandem_lit.training.distributed import Shares, check_several_processes, reduce_metrics
 from tandem_lit.training.memory import GIB, estimate_run_memory
 from tandem_lit.training.rollout_phase import RolloutPhase
 from tandem_lit.training.settings import (
@@ -251,10 +251,9 @@ class TandemModule(EvaluationSteps, L.LightningModule):
             )
         preflight.check(self, "fit")
         if self.trainer.world_size > 1:
-            check_several_processes(
-                self.senior, self.trainer, self.update_settings.mini_batch_size,
-                {"dynamic_sampling": self.rollout_settings.dynamic_sampling, "max_prompt_tokens": self.rollout_settings.max_prompt_tokens},
-            )
+            sampling = self.rollout_settings.dynamic_sampling
+            check_several_processes(self.senior, self.trainer, self.update_settings.mini_batch_size,
+                                    sampling.prompts_per_step if sampling is not None else None)
         self.run_id = start_run_record(self.trainer, self.run_id)
         if self.trainer.is_global_zero:
             log.info(checkpoints.models_line(self.senior, self.junior, self.lora))
@@ -275,20 +274,11 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         world, optimizer = self.trainer.world_size, self.optimizers().optimizer
         grader_timeouts = getattr(self.verifier, "timeouts", None)
         key = getattr(batch, "epoch", 0) * 1_000_003 + getattr(batch, "index", batch_idx)
-        rows, skipped = self.rollouts.prompts_that_fit(batch)
-        row_ids = None
-        if world > 1:  # this rank's share (every rank iterates the same batches)
-            row_ids = rank_rows(len(rows), world, self.global_rank, self.update_settings.mini_batch_size)
-            rows = [rows[i] for i in row_ids]
+        rows, skipped = self.rollouts.prompts_that_fit(batch)  # of the whole batch: every rank iterates the same ones
+        shares = Shares(world, self.global_rank, self.update_settings.mini_batch_size, self.device)
         offload_seconds = self.updates.offload_optimizer_state(optimizer, self.device)
-        stats: dict[str, float] = {}
-        if not rows:
-            result = None
-        elif self.rollout_settings.dynamic_sampling is None:
-            result = self.rollouts.generate(rows, self.handoff, self.sampling, key, row_ids)
-        else:
-            result, stats = self.rollouts.informative(rows, self.handoff, key)
-        self.count_idle_step(result is None, no_prompts=not rows)
+        result, stats = self.rollouts.training_rollouts(rows, self.handoff, key, shares) if rows else (None, {})
+        self.count_idle_step(result is None, len(rows))  # (decided alike on every rank: all raise, none waits)
         if self.rollout_settings.max_prompt_tokens is not None:
             stats["skipped_long_prompts"] = float(skipped)
         if self.memory.release_rollout_caches and self._engine_device is not None:
@@ -330,20 +320,28 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         if hasattr(batch, "mark_consumed"):  # before ModelCheckpoint saves, in on_train_batch_end
             batch.mark_consumed()
 
-    def count_idle_step(self, idle: bool, no_prompts: bool) -> None:
-        """Fail instead of looping forever when steps keep making no update."""
+    def count_idle_step(self, idle: bool, fitting: int) -> None:
+        """Fail instead of looping forever when steps keep making no update (``fitting``: the
+        prompts of this step's batch that fit ``max_prompt_tokens``)."""
         self._idle_steps = self._idle_steps + 1 if idle else 0
         if self._idle_steps < self.update_settings.max_idle_steps:
             return
-        if no_prompts:
+        world, limit = self.trainer.world_size, f"rollout.max_prompt_tokens={self.rollout_settings.max_prompt_tokens}"
+        if not fitting:
             raise TrainingStalledError(
-                f"every prompt of the last {self._idle_steps} batches is longer than rollout.max_prompt_tokens="
-                f"{self.rollout_settings.max_prompt_tokens}, so no update can happen: raise it or use shorter prompts."
+                f"every prompt of the last {self._idle_steps} batches is longer than {limit}, so no update can happen: "
+                "raise it or use shorter prompts."
+            )
+        if self.rollout_settings.dynamic_sampling is None:  # (one process trains every prompt that fits)
+            raise TrainingStalledError(
+                f"fewer than {world} prompts of each of the last {self._idle_steps} batches fit {limit}, and the {world} "
+                "processes train equal shares, so no update can happen: raise it, use shorter prompts or a larger batch."
             )
         raise TrainingStalledError(
             f"dynamic sampling found no prompt whose rollouts got different rewards in {self._idle_steps} "
             "consecutive steps, so no update can happen: every group is all-correct or all-wrong. Use easier "
             "or harder data, more rollouts per prompt (rollout.sampling.n), or turn dynamic_sampling off."
+            + (f" (On {world} processes a step needs at least {world} such prompts.)" if world > 1 else "")
         )
 
     def on_validation_start(self) -> None:

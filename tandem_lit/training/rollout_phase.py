@@ -5,7 +5,9 @@
          -> authorship check (fail closed) -> verifier -> RolloutResult
 
 Dynamic sampling (DAPO) repeats this over more of the data batch until enough prompt groups have
-rewards that differ. Validation and test draw their rollouts through the same ``generate``.
+rewards that differ. On several processes every rank takes its share of a step's groups
+(``distributed.Shares``), and every rank decides which groups those are as one process would.
+Validation and test draw their rollouts through the same ``generate``.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -24,10 +27,13 @@ from tandem_lit.rollout.engine import RolloutEngine
 from tandem_lit.rollout.handoff import HandoffPolicy
 from tandem_lit.rollout.record import Author, PromptBatch, Rollout
 from tandem_lit.rollout.sampling import SamplingConfig, sequence_seeds
+from tandem_lit.training.distributed import Shares
 from tandem_lit.training.settings import PromptFormat, RolloutSettings
 from tandem_lit.verifiers.base import Verifier
 
 log = logging.getLogger(__name__)
+
+ONE_PROCESS = Shares()
 
 
 class RolloutPhase:
@@ -150,25 +156,58 @@ class RolloutPhase:
                     "the engine is not following the handoff policy"
                 )
 
-    def informative(self, pool: list[dict[str, Any]], policy: HandoffPolicy, key: int) -> tuple[RolloutResult | None, dict[str, float]]:
-        """Dynamic sampling: rollouts of up to ``prompts_per_step`` prompts whose rewards differ."""
+    def training_rollouts(self, rows: list[dict[str, Any]], policy: HandoffPolicy, key: int,
+                          shares: Shares = ONE_PROCESS) -> tuple[RolloutResult | None, dict[str, float]]:
+        """This rank's graded rollouts of a training step over ``rows`` (the prompts of the whole
+        data batch that fit), and the step's rollout metrics; None when the step trains no group.
+        Every rank gets the same ``rows`` and decides the same groups (``Shares``)."""
+        if self.settings.dynamic_sampling is not None:
+            return self.informative(rows, policy, key, shares)
+        trained = shares.balanced(len(rows))
+        mine = shares.of_step(trained)
+        result = self.generate([rows[i] for i in mine], policy, self.settings.sampling, key, mine) if mine else None
+        return result, ({"balance_dropped_groups": float(len(rows) - trained)} if shares.world > 1 else {})
+
+    def informative(self, pool: list[dict[str, Any]], policy: HandoffPolicy, key: int,
+                    shares: Shares = ONE_PROCESS) -> tuple[RolloutResult | None, dict[str, float]]:
+        """Dynamic sampling: rollouts of up to ``prompts_per_step`` prompts whose rewards differ.
+
+        Each round draws the next rows of the pool that the groups kept so far leave missing; on W
+        ranks each rank rolls out its part of the round with one process's seeds, and the ranks add
+        up which groups have spread, so every rank keeps (and counts rounds, and stops) as one
+        process does. The kept groups are then dealt as ``rank_rows`` of them (``Shares.deal``).
+        """
         settings = self.settings.dynamic_sampling
-        target, kept, dropped, rounds, start = settings.prompts_per_step, [], 0, 0, 0
-
-        def groups_kept() -> int:
-            return sum(len(part.group.unique()) for part in kept)
-
-        while groups_kept() < target and start < len(pool) and rounds < settings.max_rounds:
-            rows = pool[start : start + target - groups_kept()]
+        target, dropped, rounds, start, found = settings.prompts_per_step, 0, 0, 0, 0
+        kept: dict[int, RolloutResult] = {}  # place among every rank's kept groups -> one group this rank rolled out
+        engine = self.ready_engine()  # on every rank: loading the rollout copy gathers FSDP shards (a collective)
+        while found < target and start < len(pool) and rounds < settings.max_rounds:
+            rows = pool[start : start + target - found]
             start += len(rows)
-            result = self.generate(rows, policy, self.settings.sampling, key * 16 + rounds)
+            mine = shares.of_round(len(rows))
+            result = self.generate([rows[i] for i in mine], policy, self.settings.sampling, key * 16 + rounds, mine) if mine else None
             rounds += 1
-            useful = result.groups_with_spread()
+            spread = [0.0] * len(rows)
+            for group in result.groups_with_spread() if result is not None else []:
+                spread[mine[group]] = 1.0
+            useful = [i for i, flag in enumerate(shares.total(spread)) if flag]
+            for place, i in enumerate(useful, start=found):
+                if i in mine:
+                    kept[place] = result.keep_groups([mine.index(i)], offset=0)
             dropped += len(rows) - len(useful)
-            if useful:
-                kept.append(result.keep_groups(useful, offset=groups_kept()))
-        stats = {"sampling_rounds": float(rounds), "dropped_groups": float(dropped), "kept_groups": float(groups_kept())}
-        if kept:
-            return concat_results(kept, self.ready_engine().pad_token_id), stats
-        log.warning("dynamic sampling found no prompt with differing rewards in %d rounds: no update this step", rounds)
+            found += len(useful)
+        trained = shares.balanced(found)
+        stats = {"sampling_rounds": float(rounds), "dropped_groups": float(dropped), "kept_groups": float(found)}
+        if shares.world > 1:
+            stats["balance_dropped_groups"] = float(found - trained)
+        share = shares.deal(kept, trained)
+        if share:
+            device = self.device()
+            parts = [replace(part.to(device), group=torch.full_like(part.group, i)) for i, part in enumerate(share)]
+            return concat_results(parts, engine.pad_token_id), stats
+        if found:
+            log.warning("dynamic sampling kept %d prompt group(s), fewer than the %d processes that train equal shares: "
+                        "no update this step", found, shares.world)
+        else:
+            log.warning("dynamic sampling found no prompt with differing rewards in %d rounds: no update this step", rounds)
         return None, stats

@@ -97,7 +97,10 @@ class DynamicSampling:
     nothing. Each step generates for ``prompts_per_step`` prompts, drops such groups, and refills
     from the rest of the data batch (the batch is the pool: make it larger than
     ``prompts_per_step``) for at most ``max_rounds`` rounds. Logged: kept and dropped groups and
-    rounds per step; a step with no informative group makes no update.
+    rounds per step; a step with no informative group makes no update. On W processes the ranks
+    keep the groups one process keeps and train equal shares of them: ``prompts_per_step`` must
+    split over W as a data batch does, and a step that keeps fewer trains a multiple of W
+    (``train/balance_dropped_groups``; docs/distributed.md).
 
     Args:
         prompts_per_step: Groups to train on per step.
@@ -167,7 +170,8 @@ class RolloutSettings:
             without a queue (HFEngine, TextHandoffEngine) get calls of this many sequences.
         max_prompt_tokens: Training skips prompts longer than this (after the chat template),
             counted in ``train/skipped_long_prompts`` (verl's overlong-prompt filter). Evaluation
-            never skips. None: no limit.
+            never skips. None: no limit. On W processes a step trains a multiple of W of the
+            prompts that fit (``train/balance_dropped_groups``: the last ones left out).
         dynamic_sampling: Drop prompt groups whose rewards all agree and refill (None: off).
         prompt_format: Chat template use, system prompt and prompt template (the senior's; also
             the junior's unless ``junior_prompt_format`` is set).
