@@ -34,8 +34,13 @@ def _with_floats(arg):
 
 interpreter._implicit_cvt = _with_floats
 import liger_kernel.ops.rms_norm  # noqa: E402  (after the interpreter is set up)
+import liger_kernel.ops.rope  # noqa: E402
 
 liger_kernel.ops.rms_norm.rsqrt = lambda x: tl.math.rsqrt(x)
+
+ROPE_CALLS = []
+_rope = liger_kernel.ops.rope.LigerRopeFunction.apply
+liger_kernel.ops.rope.LigerRopeFunction.apply = lambda *args: ROPE_CALLS.append(1) or _rope(*args)
 
 
 def qwen3(vocab: int, seed: int):
@@ -103,13 +108,16 @@ def check(architecture: str, packed: bool) -> None:
     liger.apply_liger(model, kernels)
     patched = [name for name, m in model.named_modules() if "forward" in m.__dict__]
     assert len(patched) >= 2 * len(model.model.layers), patched
+    ROPE_CALLS.clear()
     fused, fused_grads = logprobs_and_grads(model, rollout, packed, fused=True)
+    assert len(ROPE_CALLS) == (len(model.model.layers) if "rope" in kernels else 0), ROPE_CALLS
     written = rollout.completion_mask
     torch.testing.assert_close(fused[written], plain[written], rtol=2e-5, atol=2e-5)
     for (name, _), a, b in zip(model.named_parameters(), fused_grads, plain_grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5, msg=lambda m, name=name: f"{name}: {m}")
     with torch.no_grad():  # the same class, not patched: transformers' code, bit for bit
         assert torch.equal(junior(rollout.prompt_ids).logits, junior_before)
+    assert len(ROPE_CALLS) == (len(model.model.layers) if "rope" in kernels else 0)
     assert not any("forward" in m.__dict__ for m in junior.modules())
     liger.remove_liger(model)
     assert not any("forward" in m.__dict__ for m in model.modules())

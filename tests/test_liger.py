@@ -134,3 +134,12 @@ def test_liger_kernels_equal_pytorch_in_float32():
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert done.stdout.split() == ["llama-padded", "qwen3-packed", "qwen3_5-padded", "ok"]
+
+
+def test_update_kernels_benchmark_tiny():
+    """benchmarks/update_kernels.py end to end on the CPU (PyTorch's path only), so the script the
+    GPU numbers come from cannot rot unnoticed."""
+    run = subprocess.run([sys.executable, "benchmarks/update_kernels.py", "--device", "cpu", "--tiny"], cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "off: trained pass" in run.stdout and run.stdout.strip().splitlines()[-1].startswith("off_update_s=")

@@ -49,7 +49,8 @@ class UpdatePhase:
         self.sampling = sampling
         self.offload = OptimizerOffload() if memory.offload_optimizer else None
         self.warned_gap = False
-        self.fused_logprobs = False  # Liger's fused head (memory.fused_kernels), decided when fit starts
+        self.fused_kernels: tuple[str, ...] = ()  # Liger's in use (memory.fused_kernels), decided when fit starts
+        self.fused_logprobs = False  # the fused head among them
 
     def bind(self, senior: nn.Module, reference: nn.Module | None, backward: Callable[[Tensor], None]) -> None:
         self.senior, self.reference, self.backward = senior, reference, backward
@@ -62,7 +63,7 @@ class UpdatePhase:
         for model in (self.senior, self.reference):
             if model is not None:
                 liger.apply_liger(model, kernels)
-        self.fused_logprobs = "logprobs" in kernels
+        self.fused_kernels, self.fused_logprobs = kernels, "logprobs" in kernels
         return kernels
 
     def run(self, result: RolloutResult, optimizer, device: torch.device, world: int = 1, step: int = 0) -> dict[str, float]:
