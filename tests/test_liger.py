@@ -91,7 +91,8 @@ def test_a_run_without_liger_logs_it_once_and_patches_nothing(without_liger, tmp
                         devices=1, enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
     with caplog.at_level(logging.INFO, logger=liger.__name__):
         trainer.fit(module, datamodule=GSM8KDataModule(source="data/gsm8k-sample", val_size=4, batch_size=2))
-    assert [r.getMessage().split(":")[0] for r in caplog.records if r.name == liger.__name__] == ["Liger-Kernel not used"]
+    [line] = [r.getMessage() for r in caplog.records if r.name == liger.__name__]
+    assert line.startswith("Liger-Kernel not used: its Triton kernels need a CUDA GPU and the senior trains on cpu")
     assert not module.updates.fused_logprobs
     assert not any("forward" in m.__dict__ for m in module.senior.modules())
 
@@ -107,19 +108,32 @@ def test_architectures_liger_does_not_fit_are_named():
     assert "output head" in liger.unsupported(lora_head)
 
 
-@needs_liger
-def test_liger_asked_for_where_it_cannot_run_is_refused(caplog):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
+def test_liger_asked_for_on_a_cpu_is_refused(caplog):
     with pytest.raises(ConfigError, match="need a CUDA GPU and the senior trains on cpu: set memory.fused_kernels: auto or off"):
         liger.resolve("liger", tiny_llama(40, seed=0), CPU)
-    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=40, n_embd=32, n_layer=1, n_head=2))
-    with pytest.raises(ConfigError, match="architecture 'gpt2'"):
-        liger.resolve("liger", gpt2, torch.device("cuda"))
     with caplog.at_level(logging.INFO, logger=liger.__name__):
         assert liger.resolve("auto", tiny_llama(40, seed=0), CPU) == ()
     [record] = [r for r in caplog.records if r.name == liger.__name__]
     assert "need a CUDA GPU" in record.getMessage() and "pip install" not in record.getMessage()
+
+
+@needs_liger
+def test_with_liger_installed_a_gpu_senior_gets_the_kernels_that_fit_it(caplog):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=40, n_embd=32, n_layer=1, n_head=2))
+    with pytest.raises(ConfigError, match="architecture 'gpt2'"):
+        liger.resolve("liger", gpt2, torch.device("cuda"))
+    llama = tiny_llama(40, seed=0)  # (resolved for a GPU, patched on the CPU: not run here)
+    with caplog.at_level(logging.INFO, logger=liger.__name__):
+        kernels = liger.resolve("auto", llama, torch.device("cuda"))
+    assert kernels == ("rms_norm", "swiglu", "rope", "logprobs")
+    assert any("in the senior's training forward: rms_norm, swiglu, rope, logprobs" in r.getMessage() for r in caplog.records)
+    liger.apply_liger(llama, kernels)
+    patched = {type(m).__name__ for m in llama.modules() if "forward" in m.__dict__}
+    assert patched == {"LlamaRMSNorm", "LlamaMLP", "LlamaAttention"}
+    liger.remove_liger(llama)
+    assert not any("forward" in m.__dict__ for m in llama.modules())
 
 
 # ------------------------------------------------------------- the kernels, interpreted on CPU

@@ -117,10 +117,10 @@ def resolve(mode: FusedKernels, model: nn.Module, device: torch.device) -> tuple
     """
     if mode == "off":
         return ()
-    reason = liger_missing()
-    if reason is None and device.type != "cuda":
+    if device.type != "cuda":
         reason = f"its Triton kernels need a CUDA GPU and the senior trains on {device.type}"
-    reason = reason or unsupported(model)
+    else:
+        reason = liger_missing() or unsupported(model)
     if reason is None:
         kernels = ARCHITECTURES[causal_lm(model).config.model_type].kernels
         log.info("Liger-Kernel %s in the senior's training forward: %s", liger_version(), ", ".join(kernels))
