@@ -1,9 +1,9 @@
 """Liger's kernels against PyTorch's on CPU, in Triton's interpreter (run by tests/test_liger.py
 in a fresh process with ``TRITON_INTERPRET=1``: Triton reads it when kernels are defined).
 
-On tiny float32 Llama, Qwen3 (per-head q/k norms) and Qwen3.5 (zero-centred norms, a Gated
-DeltaNet layer, no rotary) models, ragged rows padded and packed, temperature 0.7: the completion
-log-probs and every parameter's gradient with ``apply_liger`` and the fused head equal the plain
+On tiny float32 Llama, Qwen3 (per-head q/k norms), Qwen3.5 (zero-centred norms, a Gated DeltaNet
+layer, no rotary) and LoRA-on-Qwen3 models, ragged rows padded and packed, temperature 0.7: the
+completion log-probs and every trained parameter's gradient with ``apply_liger`` and the fused head equal the plain
 path's; a second model of the same class (a junior) still runs transformers' code, bit for bit;
 ``remove_liger`` gives the plain path back. Prints each case, then ``ok``.
 """
@@ -70,8 +70,16 @@ def qwen35(vocab: int, seed: int):
     return model
 
 
-MODELS = {"llama": lambda vocab, seed: tiny_llama(vocab, seed=seed, init_range=0.1), "qwen3": qwen3, "qwen3_5": qwen35}
-CASES = [("llama", False), ("qwen3", True), ("qwen3_5", False)]
+def lora_qwen3(vocab: int, seed: int):
+    """LoRA adapters (random, so that they count) on every linear layer of the MLPs and attention."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(qwen3(vocab, seed), LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+
+
+MODELS = {"llama": lambda vocab, seed: tiny_llama(vocab, seed=seed, init_range=0.1), "qwen3": qwen3, "qwen3_5": qwen35,
+          "qwen3-lora": lora_qwen3}
+CASES = [("llama", False), ("qwen3", True), ("qwen3_5", False), ("qwen3-lora", False)]
 
 
 def ragged_rollout(vocab: int, prompts=(3, 1, 4), completions=(9, 1, 5)) -> Rollout:
@@ -94,30 +102,32 @@ def logprobs_and_grads(model, rollout, packed: bool, fused: bool):
     written = rollout.completion_mask
     weights = torch.linspace(-1, 1, written.numel()).view_as(written) * written
     logp = completion_logprobs(model, rollout, 0.7, packed=packed, fused=fused)
-    return logp, torch.autograd.grad((logp * weights).sum(), list(model.parameters()))
+    return logp, torch.autograd.grad((logp * weights).sum(), [p for p in model.parameters() if p.requires_grad])
 
 
 def check(architecture: str, packed: bool) -> None:
     vocab = 40
     model, rollout = MODELS[architecture](vocab, 3).train(), ragged_rollout(vocab)
     junior = MODELS[architecture](vocab, 4).eval()
-    kernels = liger.ARCHITECTURES[model.config.model_type].kernels
+    layers = liger.causal_lm(model).model.layers
+    kernels = liger.ARCHITECTURES[liger.causal_lm(model).config.model_type].kernels
     with torch.no_grad():
         junior_before = junior(rollout.prompt_ids).logits
     plain, plain_grads = logprobs_and_grads(model, rollout, packed, fused=False)
     liger.apply_liger(model, kernels)
     patched = [name for name, m in model.named_modules() if "forward" in m.__dict__]
-    assert len(patched) >= 2 * len(model.model.layers), patched
+    assert len(patched) >= 2 * len(layers), patched
     ROPE_CALLS.clear()
     fused, fused_grads = logprobs_and_grads(model, rollout, packed, fused=True)
-    assert len(ROPE_CALLS) == (len(model.model.layers) if "rope" in kernels else 0), ROPE_CALLS
+    assert len(ROPE_CALLS) == (len(layers) if "rope" in kernels else 0), ROPE_CALLS
     written = rollout.completion_mask
     torch.testing.assert_close(fused[written], plain[written], rtol=2e-5, atol=2e-5)
-    for (name, _), a, b in zip(model.named_parameters(), fused_grads, plain_grads):
+    trained = [name for name, p in model.named_parameters() if p.requires_grad]
+    for name, a, b in zip(trained, fused_grads, plain_grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5, msg=lambda m, name=name: f"{name}: {m}")
     with torch.no_grad():  # the same class, not patched: transformers' code, bit for bit
         assert torch.equal(junior(rollout.prompt_ids).logits, junior_before)
-    assert len(ROPE_CALLS) == (len(model.model.layers) if "rope" in kernels else 0)
+    assert len(ROPE_CALLS) == (len(layers) if "rope" in kernels else 0)
     assert not any("forward" in m.__dict__ for m in junior.modules())
     liger.remove_liger(model)
     assert not any("forward" in m.__dict__ for m in model.modules())

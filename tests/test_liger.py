@@ -147,7 +147,7 @@ def test_liger_kernels_equal_pytorch_in_float32():
     done = subprocess.run([sys.executable, str(REPO_ROOT / "tests" / "liger_interpreted.py")], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    assert done.stdout.split() == ["llama-padded", "qwen3-packed", "qwen3_5-padded", "ok"]
+    assert done.stdout.split() == ["llama-padded", "qwen3-packed", "qwen3_5-padded", "qwen3-lora-padded", "ok"]
 
 
 def test_update_kernels_benchmark_tiny():
