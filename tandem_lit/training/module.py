@@ -256,9 +256,7 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         self.run_id = start_run_record(self.trainer, self.run_id)
         if self.trainer.is_global_zero:
             log.info(checkpoints.models_line(self.senior, self.junior, self.lora))
-        kernels = self.updates.use_fused_kernels(self.device)  # memory.fused_kernels: Liger's, or PyTorch's
-        for logger in self.loggers:
-            logger.log_hyperparams({"fused_kernels": ",".join(kernels) or "none"})
+        self.updates.use_fused_kernels(self.device)  # memory.fused_kernels: Liger's kernels, or PyTorch's (logged)
         if self.device.type != "cuda":
             return
         avoid_cudnn_attention_backward()
