@@ -145,6 +145,7 @@ def build_module(model_args: dict, arm: str, args, root: Path):
                                      ("gradient_checkpointing", args.gradient_checkpointing),
                                      ("micro_batch_tokens", args.micro_batch_tokens),
                                      ("pack_sequences", args.pack_sequences),
+                                     ("fused_kernels", args.fused_kernels),
                                      ("release_rollout_caches", args.release_rollout_caches)) if v is not None})
     init["memory"] = memory
     if args.rollout_dtype:
@@ -394,9 +395,10 @@ def run_arm(arm: str, model_args: dict, trainer_args: dict, args, root: Path, ba
     )
     trainer.fit(module, datamodule=data)
     estimate = module.estimated_memory or module.memory_estimate(prompts_per_step=args.prompts)  # made at fit start on GPU
-    say(f"{arm:>7} memory estimate: {estimate.table()} (peak {estimate.peak / GIB:.1f} GiB)")
+    say(f"{arm:>7} memory estimate: {estimate.table()} (peak {estimate.peak / GIB:.1f} GiB); "
+        f"fused kernels: {', '.join(module.updates.fused_kernels) or 'none'}")
     result = {"arm": arm, "steps": report.steps, "estimate_peak_gb": estimate.peak / GIB, "estimate": estimate.table(),
-              "engine": type(module.engine).__name__,
+              "engine": type(module.engine).__name__, "fused_kernels": list(module.updates.fused_kernels),
               "rollout_dtype": str(next(module.engine.senior.parameters()).dtype)}
     del module, trainer
     gc.collect()
@@ -452,6 +454,8 @@ def main() -> None:
     parser.add_argument("--strategy", default=None, choices=["fsdp"], help="fsdp: tandem_lit.training.distributed.FSDP2Strategy")
     parser.add_argument("--pack-sequences", action=argparse.BooleanOptionalAction, default=None,
                         help="memory.pack_sequences: packed update passes (default: the config's)")
+    parser.add_argument("--fused-kernels", default=None, choices=["auto", "liger", "off"],
+                        help="memory.fused_kernels: Liger-Kernel's kernels in the update (default: the config's, auto)")
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="the device's dense bf16 TFLOP/s, for the update's MFU")
     parser.add_argument("--estimate-only", action="store_true")
     parser.add_argument("--lengths", default="fixed",

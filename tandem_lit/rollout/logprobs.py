@@ -12,6 +12,9 @@ block-diagonal causal mask for sdpa / eager / flex attention; varlen kernels for
 which needs the single row), so each sequence attends only to itself, as in the padded rows, and
 no compute or logits are spent on padding. Models whose linear-attention layers carry state along
 the row (Qwen3.5's Gated DeltaNet) and attention kernels that ignore the restarts are refused.
+
+Fused (``fused=True``, ``memory.fused_kernels``): Liger-Kernel's fused linear cross-entropy in
+place of the chunks (``models.liger.liger_logprobs``): the same log-probs to bf16 rounding.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from tandem_lit.errors import ConfigError
+from tandem_lit.models.liger import liger_logprobs
 from tandem_lit.rollout.record import Rollout
 from tandem_lit.rollout.weights import plain_model
 
@@ -104,10 +108,13 @@ def packed_hidden_states(model: nn.Module, rollout: Rollout) -> Tensor:  # -> [C
     return hidden[0, predictors]
 
 
-def completion_logprobs(model: nn.Module, rollout: Rollout, temperature: float, packed: bool = False) -> Tensor:  # -> [N, T]
+def completion_logprobs(
+    model: nn.Module, rollout: Rollout, temperature: float, packed: bool = False, fused: bool = False,
+) -> Tensor:  # -> [N, T]
     """log p(token_t | prompt, tokens_<t) of every completion token, logits divided by
     ``temperature`` (if > 0). Padding positions get some value (0 when ``packed``); callers mask
-    them. ``packed``: one forward over the concatenated sequences (module docstring)."""
+    them. ``packed``: one forward over the concatenated sequences; ``fused``: Liger's fused head
+    (module docstring)."""
     causal_lm = plain_model(model)
     head = causal_lm.get_output_embeddings()
     softcap = getattr(causal_lm.config, "final_logit_softcapping", None)
@@ -118,6 +125,9 @@ def completion_logprobs(model: nn.Module, rollout: Rollout, temperature: float, 
     else:
         hidden = completion_hidden_states(model, rollout)
     width = completion.shape[1]
+    if fused:
+        logp = liger_logprobs(hidden, head.weight, completion, temperature, CHUNK_ELEMENTS)
+        return logp.new_zeros(written.shape).masked_scatter(written, logp[0]) if packed else logp
 
     def chunk_logprobs(h: Tensor, targets: Tensor) -> Tensor:
         logits = head(h).float()

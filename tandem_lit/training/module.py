@@ -102,8 +102,8 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         optimizer: Optimizer factory (default AdamW, lr 1e-6, no weight decay).
         rollout: Sampling, sequences per engine call, prompt formats, prompt filters.
         update: Mini-/micro-batches, clipping, overlong completions, low-precision weights.
-        memory: Rollout caches, optimizer offload, activation checkpointing, token-bounded
-            micro-batches and the memory check before the run.
+        memory: Rollout caches, optimizer offload, activation checkpointing, token-bounded or
+            packed micro-batches, Liger's fused kernels and the memory check before the run.
         evaluation: Validation modes and sampling, ``tandem-lit test``'s handoff, pass@k.
         logging: Jargon pattern, language share, sample completions.
     """
@@ -257,6 +257,7 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         self.run_id = start_run_record(self.trainer, self.run_id)
         if self.trainer.is_global_zero:
             log.info(checkpoints.models_line(self.senior, self.junior, self.lora))
+        self.updates.use_fused_kernels(self.device)  # memory.fused_kernels: Liger's kernels, or PyTorch's (logged)
         if self.device.type != "cuda":
             return
         avoid_cudnn_attention_backward()

@@ -10,6 +10,7 @@ from typing import Literal
 from tandem_lit.errors import ConfigError, TandemLitError
 from tandem_lit.evaluation.language import LanguageShare
 from tandem_lit.evaluation.steps import EvalMode
+from tandem_lit.models.liger import FusedKernels
 from tandem_lit.rollout.handoff import HandoffPolicy, ParagraphHandoff
 from tandem_lit.rollout.sampling import SamplingConfig
 
@@ -137,6 +138,13 @@ class MemorySettings:
             (``rollout.logprobs``); the same log-probs, loss and gradients as padded rows, without
             the padding's compute. Needs sdpa, eager, flex or flash attention; not for models
             with linear-attention layers (Qwen3.5). Off: padded rows.
+        fused_kernels: Liger-Kernel's Triton kernels in the senior's training forward: RMSNorm,
+            SwiGLU, rotary (Llama/Mistral/Qwen2/Qwen3; Qwen3.5 without rotary) and a fused
+            vocabulary projection + log-prob (``models.liger``). ``auto``: when liger-kernel is
+            installed (``pip install 'tandem-lit[liger]'``) and the senior trains on a CUDA GPU,
+            else PyTorch's kernels, said once in the log. ``liger``: the same, and an error where
+            they cannot run. ``off``: PyTorch's kernels. The log-probs are the same to bf16
+            rounding; the junior, the reference copy and the engine's rollout copy never change.
         check: Before the first step, estimate the step's peak memory from the shapes and fail
             with what does not fit (and which setting to change) instead of running out mid-run.
     """
@@ -146,11 +154,14 @@ class MemorySettings:
     gradient_checkpointing: bool = False
     micro_batch_tokens: int | None = None
     pack_sequences: bool = False
+    fused_kernels: FusedKernels = "auto"
     check: bool = True
 
     def __post_init__(self) -> None:
         if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
             raise ConfigError(f"memory.micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
+        if self.fused_kernels not in ("auto", "liger", "off"):
+            raise ConfigError(f"memory.fused_kernels must be 'auto', 'liger' or 'off', got {self.fused_kernels!r}")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from tandem_lit.errors import NonFiniteGradientError
 from tandem_lit.evaluation.metrics import LogprobGap
 from tandem_lit.evaluation.results import RolloutResult
+from tandem_lit.models import liger
 from tandem_lit.objectives.base import Objective, ObjectiveInputs
 from tandem_lit.rollout.logprobs import completion_logprobs
 from tandem_lit.rollout.record import Rollout
@@ -48,9 +49,22 @@ class UpdatePhase:
         self.sampling = sampling
         self.offload = OptimizerOffload() if memory.offload_optimizer else None
         self.warned_gap = False
+        self.fused_kernels: tuple[str, ...] = ()  # Liger's in use (memory.fused_kernels), decided when fit starts
+        self.fused_logprobs = False  # the fused head among them
 
     def bind(self, senior: nn.Module, reference: nn.Module | None, backward: Callable[[Tensor], None]) -> None:
         self.senior, self.reference, self.backward = senior, reference, backward
+
+    def use_fused_kernels(self, device: torch.device) -> tuple[str, ...]:
+        """Liger's kernels (``memory.fused_kernels``) in the forward of the senior and of its
+        reference copy (so that a KL term starts at 0), never the junior's or the engine's; the
+        kernels in use (none: PyTorch's, said once in the log)."""
+        kernels = liger.resolve(self.memory.fused_kernels, self.senior, device)
+        for model in (self.senior, self.reference):
+            if model is not None:
+                liger.apply_liger(model, kernels)
+        self.fused_kernels, self.fused_logprobs = kernels, "logprobs" in kernels
+        return kernels
 
     def run(self, result: RolloutResult, optimizer, device: torch.device, world: int = 1, step: int = 0) -> dict[str, float]:
         """The objective and the optimiser updates (one per mini-batch) on one batch of graded
@@ -170,10 +184,11 @@ class UpdatePhase:
 
         Logits are divided by the sampling temperature, as the sampler drew from that
         distribution (the TRL / verl convention), so importance ratios compare like with like.
-        ``memory.pack_sequences``: the rows run packed into one row (``rollout.logprobs``).
+        ``memory.pack_sequences``: the rows run packed into one row (``rollout.logprobs``);
+        ``fused_logprobs``: through Liger's fused head, for the senior and its reference alike.
         """
         temperature = self.sampling.temperature if temperature is None else temperature
-        return completion_logprobs(model, rollout, temperature, packed=self.memory.pack_sequences)
+        return completion_logprobs(model, rollout, temperature, packed=self.memory.pack_sequences, fused=self.fused_logprobs)
 
     @torch.no_grad()
     def behaviour_logprobs(self, rollout: Rollout, device: torch.device, rows: Tensor | None = None) -> Tensor:  # -> [N, T]
