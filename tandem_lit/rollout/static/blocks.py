@@ -127,3 +127,30 @@ def layer_cache(cache, index: int) -> tuple[Tensor, Tensor]:
         layer = cache.layers[index]
         return layer.keys, layer.values
     return cache.key_cache[index], cache.value_cache[index]
+
+
+# ------------------------------------------------------------------ paged KV pools (torch path)
+# A pool is [pages, page_size, kv_heads, head_dim] per layer; a row of the block table maps a
+# sequence's logical page to a pool page (``paging.py``). Page 0 is scratch: rows without a
+# sequence, or past their own pages, write there.
+
+
+def page_slots(table: Tensor, slot: Tensor, page_size: int) -> Tensor:  # [B, P] int, [B] -> [B] long
+    """Each row's new-token position as a flat index into ``pool.view(-1, kv_heads, head_dim)``."""
+    page = table.gather(1, (slot // page_size).unsqueeze(1)).squeeze(1).long()
+    return page * page_size + slot % page_size
+
+
+def read_pages(pool: Tensor, table: Tensor, kv_len: int) -> Tensor:  # -> [B, KV, kv_len, D]
+    """Positions [0, kv_len) of every row, gathered through its table row."""
+    page_size, kv_heads, head_dim = pool.shape[1:]
+    pages = table[:, : -(-kv_len // page_size)].long()
+    return pool[pages].view(table.shape[0], -1, kv_heads, head_dim)[:, :kv_len].transpose(1, 2)
+
+
+def write_prompt_pages(pool: Tensor, keys: Tensor, placement: tuple[Tensor, Tensor]) -> None:
+    """Prefilled keys (or values) [B, KV, W, D] into the pool: ``placement`` = (source: flat
+    indices into the B x W prompt positions, dest: flat pool positions), one pair per kept token."""
+    source, dest = placement
+    flat = keys.transpose(1, 2).reshape(-1, keys.shape[1], keys.shape[3])
+    pool.view(-1, *pool.shape[2:]).index_copy_(0, dest, flat.index_select(0, source).to(pool.dtype))
