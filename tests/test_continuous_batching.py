@@ -344,8 +344,8 @@ def test_the_pool_is_sized_in_gib_from_both_models_bytes_per_token(tokenizer, pl
     engine.generate(queue_batch(tokenizer), SoloHandoff(), GREEDY)
     per_token = sum(m.kv_bytes_per_token() for m in engine.models.values())
     assert per_token == 4 * (2 * 2 * 2 * 16 + 1 * 2 * 2 * 8)  # float32; (layers x K,V x kv heads x head dim) each
-    pool = engine.models["senior"].k_cache[0]
-    assert pool.shape[:2] == (int(0.001 * 1024**3 // (8 * per_token)), 8)
+    pool = engine.models["senior"].k_cache[0]  # [pages, KV, page, D]
+    assert (pool.shape[0], pool.shape[2]) == (int(0.001 * 1024**3 // (8 * per_token)), 8)
     assert engine.last_timing()["kv_pool_tokens"] == (pool.shape[0] - 1) * 8  # the scratch page aside
 
 

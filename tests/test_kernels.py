@@ -40,14 +40,14 @@ CHECK = textwrap.dedent("""
         table = (torch.randperm(3 * batch * cols)[: batch * cols] + 1).view(batch, cols).to(torch.int32)
         pools = []
         for cache in (k_cache, v_cache):
-            pool = torch.randn(3 * batch * cols + 1, page, kv, d)
-            pool[table.long()] = cache.permute(0, 2, 1, 3).reshape(batch, cols, page, kv, d)
+            pool = torch.randn(3 * batch * cols + 1, kv, page, d)  # [pages, KV, page, D]
+            pool[table.long()] = cache.view(batch, kv, cols, page, d).transpose(1, 2)
             pools.append(pool)
         return pools, table
 
     def unpage(pool, table):
         batch, cols = table.shape
-        return pool[table.long()].reshape(batch, cols * pool.shape[1], *pool.shape[2:]).permute(0, 2, 1, 3)
+        return pool[table.long()].transpose(1, 2).reshape(batch, pool.shape[1], cols * pool.shape[2], pool.shape[3])
 
     torch.manual_seed(0)
     B, H, KV, D, S, hidden = 3, 8, 2, 16, 20, 32
@@ -92,7 +92,7 @@ CHECK = textwrap.dedent("""
     qn, kn = torch.randn(D) * 0.3, torch.randn(D) * 0.3
     cos, sin = torch.randn(S, 8), torch.randn(S, 8)
     kc, vc = torch.randn(B, KV, S, D), torch.randn(B, KV, S, D)
-    (kp, vp), table = paged(kc, vc, page=4)
+    (kp, vp), table = paged(kc, vc, page=5)  # a tile of 8 positions straddles pages
     scratch = kp[0].clone()
     out = kernels.gated_attention(qg, k, v, qn, kn, 1e-6, cos, sin, pos, slot, kc, vc, valid, 0.25, H, KV, D, block_n=8)
     paged_out = kernels.gated_attention(qg, k, v, qn, kn, 1e-6, cos, sin, pos, slot, kp, vp, valid, 0.25, H, KV, D,

@@ -36,6 +36,7 @@ from tandem_lit.rollout.static.blocks import (
     prefill_with_cache,
     read_pages,
     rotate_half,
+    write_pages,
     write_prompt_pages,
 )
 
@@ -180,7 +181,7 @@ class HybridDecoderModel:
         weight = self.embed.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.gate_up: dict = {}  # layer index -> fused gate/up projection (``fuse_projections``)
-        self.k_cache: dict[int, Tensor] = {}  # full-attention layer -> [B, KV, S, D] slots or a [pages, P, KV, D] pool
+        self.k_cache: dict[int, Tensor] = {}  # full-attention layer -> [B, KV, S, D] slots or a [pages, KV, P, D] pool
         self.v_cache: dict[int, Tensor] = {}
         self.page_size = 0  # 0: one cache row per decode row (slots); else the paged pool's page
         self.cos = self.sin = None
@@ -224,7 +225,7 @@ class HybridDecoderModel:
         of up to ``length`` tokens, or (``pages`` > 0) a paged pool read through a block table."""
         self.free()
         self.page_size = page_size if pages else 0
-        shape = (pages, page_size, self.kv_heads, self.head_dim) if pages else (batch, self.kv_heads, length, self.head_dim)
+        shape = (pages if pages else batch, self.kv_heads, page_size if pages else length, self.head_dim)
         for i, (_, mixer, _) in enumerate(self.blocks):
             if isinstance(mixer, _DeltaLayer):
                 mixer.allocate(batch, self.device, self.dtype)
@@ -356,8 +357,8 @@ class HybridDecoderModel:
             keys, values = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
         else:
             table, at_page = paged
-            for pool, new in ((self.k_cache[i], k), (self.v_cache[i], v)):
-                pool.view(-1, self.kv_heads, d).index_copy_(0, at_page, new)
+            write_pages(self.k_cache[i], at_page, k)
+            write_pages(self.v_cache[i], at_page, v)
             keys, values = read_pages(self.k_cache[i], table, kv_len), read_pages(self.v_cache[i], table, kv_len)
         group = self.heads // self.kv_heads
         q = q.view(batch, self.kv_heads, group, d)

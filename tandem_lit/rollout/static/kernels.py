@@ -111,7 +111,7 @@ def _rope_attention_kernel(
     v_row = v_ptr + b * v_sb + kvh * d + offs
     v1 = tl.load(v_row, mask=mask, other=0.0)
     v2 = tl.load(v_row + half, mask=mask, other=0.0)
-    if PAGED:  # the pool [pages, PAGE, KV, D]: this row's slots through its block-table row
+    if PAGED:  # the pool [pages, KV, PAGE, D]: this row's slots through its block-table row
         cache = kvh * cache_sh
         new = tl.load(table_ptr + b * table_sb + slot // PAGE).to(tl.int64) * cache_sb + (slot % PAGE) * cache_ss + cache + offs
     else:
@@ -169,8 +169,9 @@ def rope_attention(
 
     q [B, H*D], k/v [B, KV*D] (rows may be strided views of one fused projection), cos/sin
     [S, D], position [B], slot [B] (each row's own), caches [Bcap, KV, S, D], valid [Bcap, S] bool -> [B, H*D].
-    Paged: caches are pools [pages, page_size, KV, D] and ``table`` [Bcap, S / page_size] int32
-    maps each row's slot ``s`` to position ``s % page_size`` of pool page ``table[row, s // page_size]``.
+    Paged: caches are pools [pages, KV, page_size, D] (the slot layout with positions cut into
+    pages) and ``table`` [Bcap, S / page_size] int32 maps each row's slot ``s`` to position
+    ``s % page_size`` of pool page ``table[row, s // page_size]``.
     """
     batch = q.shape[0]
     if block_n is None or num_warps is None:
@@ -185,20 +186,13 @@ def rope_attention(
         q_norm if has_norm else q, k_norm if has_norm else k, cos, sin, position, slot,
         table if table is not None else slot,
         heads, group, head_dim, eps, scale, q.stride(0), k.stride(0), v.stride(0),
-        *_cache_strides(k_cache, table), valid.stride(0), table.stride(0) if table is not None else 0,
-        HAS_NORM=has_norm, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), valid.stride(0),
+        table.stride(0) if table is not None else 0, HAS_NORM=has_norm, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         HALF=max(16, triton.next_power_of_2(head_dim // 2)),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
-        PAGED=table is not None, PAGE=k_cache.shape[1] if table is not None else 1,
+        PAGED=table is not None, PAGE=k_cache.shape[2] if table is not None else 1,
     )
     return out
-
-
-def _cache_strides(cache: Tensor, table: Tensor | None) -> tuple[int, int, int]:
-    """(row or page, head, slot) strides of a cache: [B, KV, S, D] slots or a [pages, P, KV, D] pool."""
-    if table is None:
-        return cache.stride(0), cache.stride(1), cache.stride(2)
-    return cache.stride(0), cache.stride(2), cache.stride(1)
 
 
 @triton.jit
@@ -457,7 +451,7 @@ def _gated_attention_kernel(
     k = _norm_1p_partial_rope(k_row + offs, k_row + partner, in_head, k_norm_ptr, offs, partner, d, rot, eps,
                               cos, sin, sign, dtype)
     v = tl.load(v_ptr + b * v_sb + kvh * d + offs, mask=in_head, other=0.0)
-    if PAGED:  # the pool [pages, PAGE, KV, D]: this row's slots through its block-table row
+    if PAGED:  # the pool [pages, KV, PAGE, D]: this row's slots through its block-table row
         cache = kvh * cache_sh
         new = tl.load(table_ptr + b * table_sb + slot // PAGE).to(tl.int64) * cache_sb + (slot % PAGE) * cache_ss + cache
     else:
@@ -504,7 +498,7 @@ def gated_attention(
     q_and_gate [B, H*2D] (q_proj's output: each head's query, then its gate), k/v [B, KV*D] (rows
     may be strided views of one fused projection), cos/sin [S, R] (rotary on the first R dims),
     position [B], slot [B] (each row's own), caches [Bcap, KV, S, D], valid [Bcap, S] bool -> [B, H*D], already gated.
-    Paged: pools [pages, page_size, KV, D] read through ``table`` (as in ``rope_attention``).
+    Paged: pools [pages, KV, page_size, D] read through ``table`` (as in ``rope_attention``).
     """
     # tile size barely matters end to end (9B/2B batch-64 decode step 9.49 ms with block_n 32,
     # 9.57 ms with 64, H200); alone the kernel times 90-150 us in benchmarks/hybrid_kernels.py
@@ -515,10 +509,10 @@ def gated_attention(
         q_and_gate, k, v, out, k_cache, v_cache, valid.view(torch.uint8),
         q_norm, k_norm, cos, sin, position, slot, table if table is not None else slot,
         heads, group, head_dim, cos.shape[-1], eps, scale, q_and_gate.stride(0), k.stride(0), v.stride(0),
-        *_cache_strides(k_cache, table), valid.stride(0), table.stride(0) if table is not None else 0,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), valid.stride(0),
+        table.stride(0) if table is not None else 0, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         PRECISION="ieee" if q_and_gate.dtype == torch.float32 else "tf32", num_warps=num_warps,
-        PAGED=table is not None, PAGE=k_cache.shape[1] if table is not None else 1,
+        PAGED=table is not None, PAGE=k_cache.shape[2] if table is not None else 1,
     )
     return out

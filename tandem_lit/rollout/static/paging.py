@@ -1,7 +1,7 @@
 """The host side of the paged KV cache: which pages of the pool each sequence holds.
 
 With ``FastEngine(kv_cache="paged")`` the keys/values of every model live in one pool of
-fixed-size pages per layer (``[pages, page_size, kv_heads, head_dim]``), and each decode row
+fixed-size pages per layer (``[pages, kv_heads, page_size, head_dim]``), and each decode row
 reads its sequence's positions through a row of the block table (logical page -> pool page). Both
 models of a pair share the table: a sequence's token positions are the same in both, only each
 model's pool holds its own bytes per token (the layout SGLang's speculative decoding uses for

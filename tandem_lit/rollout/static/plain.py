@@ -19,6 +19,7 @@ from tandem_lit.rollout.static.blocks import (
     prefill_with_cache,
     read_pages,
     rotate_half,
+    write_pages,
     write_prompt_pages,
 )
 
@@ -79,7 +80,7 @@ class StaticDecoderModel:
         self.scaling = self.head_dim**-0.5
         weight = self.embed.weight
         self.device, self.dtype = weight.device, weight.dtype
-        self.k_cache: list[Tensor] = []  # per layer: [B, KV, S, D] slots, or a [pages, page_size, KV, D] pool
+        self.k_cache: list[Tensor] = []  # per layer: [B, KV, S, D] slots, or a [pages, KV, page_size, D] pool
         self.v_cache: list[Tensor] = []
         self.page_size = 0  # 0: one cache row per decode row (slots); else the paged pool's page
         self.cos = self.sin = None
@@ -125,7 +126,7 @@ class StaticDecoderModel:
             )
         self.free()  # the old caches go before the new ones are allocated
         self.page_size = page_size if pages else 0
-        shape = (pages, page_size, self.kv_heads, self.head_dim) if pages else (batch, self.kv_heads, length, self.head_dim)
+        shape = (pages if pages else batch, self.kv_heads, page_size if pages else length, self.head_dim)
         self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         probe = torch.zeros(1, 1, self.head_dim, dtype=self.dtype, device=self.device)
@@ -207,8 +208,8 @@ class StaticDecoderModel:
                 v_cache.scatter_(2, at_slot, v.unsqueeze(2))
                 keys, values = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]  # [B, KV, S, D]
             else:
-                for pool, new in ((self.k_cache[i], k), (self.v_cache[i], v)):
-                    pool.view(-1, self.kv_heads, self.head_dim).index_copy_(0, at_page, new)
+                write_pages(self.k_cache[i], at_page, k)
+                write_pages(self.v_cache[i], at_page, v)
                 keys, values = read_pages(self.k_cache[i], table, kv_len), read_pages(self.v_cache[i], table, kv_len)
             q = q.view(batch, self.kv_heads, group, self.head_dim)
             scores = torch.matmul(q, keys.transpose(-1, -2)) * self.scaling + mask  # [B, KV, G, S]
