@@ -319,6 +319,7 @@ def useful_rows(args, part: str) -> list[dict]:
                 return outs
 
             if not args.skip_static:
+                set_kv_layout(engine, "slots", None)  # the static baseline keeps the slot caches
                 seconds, outs = timed(static, prompts, device, repeats)
                 rows.append({"name": f"FastEngine static, {policy_name}", "batch": batch, "sequences": sequences,
                              "useful_tokens": useful, "seconds": seconds, "useful_tokens_per_second": useful / seconds,
