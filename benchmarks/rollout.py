@@ -22,6 +22,12 @@ useful tokens/s (sum of budgets / wall time) and ``continuous_over_static``:
     python benchmarks/rollout.py --device cuda --batches 64 --lengths lognormal:median=1000,sigma=0.8,cap=3000
     python benchmarks/rollout.py --device cpu --tiny --lengths lognormal
 
+``--kv-cache slots paged`` times the continuous rows with each KV layout in the same run (the
+paged pool as large as the slot caches unless ``--kv-cache-gib`` sizes it; ``--kv-page-size``),
+reports each row's peak GPU memory, the pool's preemptions and peak use, and ``paged_over_slots``:
+
+    python benchmarks/rollout.py --device cuda --batches 64 128 --lengths lognormal --kv-cache slots paged
+
 ``--vllm`` adds vLLM (solo senior; ``tandem_lit.rollout.vllm_engine.VLLMEngine``), each engine in its
 own subprocess (vLLM holds GPU memory), and prints ``fast_over_vllm``:
 
@@ -280,7 +286,7 @@ def useful_rows(args, part: str) -> list[dict]:
 
         engine = VLLMEngine(**json.loads(args.vllm_kwargs))
     else:
-        engine = FastEngine()
+        engine = FastEngine(kv_page_size=args.kv_page_size)
     engine.setup(senior, junior, tokenizer)
     rows = []
     for batch in batches:
@@ -314,25 +320,52 @@ def useful_rows(args, part: str) -> list[dict]:
                     outs.append(engine.generate(chunk, policy, sampling))
                 return outs
 
-            seconds, outs = timed(static, prompts, device, repeats)
-            rows.append({"name": f"FastEngine static, {policy_name}", "batch": batch, "sequences": sequences,
-                         "useful_tokens": useful, "seconds": seconds, "useful_tokens_per_second": useful / seconds,
-                         "steps": sum(int(o.lengths.max()) for o in outs)})
+            if not args.skip_static:
+                set_kv_layout(engine, "slots", None)  # the static baseline keeps the slot caches
+                seconds, outs = timed(static, prompts, device, repeats)
+                rows.append({"name": f"FastEngine static, {policy_name}", "batch": batch, "sequences": sequences,
+                             "useful_tokens": useful, "seconds": seconds, "useful_tokens_per_second": useful / seconds,
+                             "steps": sum(int(o.lengths.max()) for o in outs)})
             engine.max_batch = batch
-            seconds, out = timed(lambda p, policy=policy: engine.generate(p, policy, sampling), prompts, device, repeats)
-            rows.append(row(f"FastEngine continuous, {policy_name}", seconds, out, engine.last_timing()))
+            for layout in args.kv_cache:
+                set_kv_layout(engine, layout, args.kv_cache_gib)
+                reset_peak_memory(device)
+                seconds, out = timed(lambda p, policy=policy: engine.generate(p, policy, sampling), prompts, device, repeats)
+                name = f"FastEngine continuous{' paged' if layout == 'paged' else ''}, {policy_name}"
+                rows.append(row(name, seconds, out, {**engine.last_timing(), **peak_memory(device)}))
         engine.release()  # the next batch size sizes its own caches
     return rows
 
 
+def set_kv_layout(engine: FastEngine, layout: str, gib: float | None) -> None:
+    """Switch the engine's KV layout (its caches are freed and re-allocated by the next call)."""
+    pool_gib = gib if layout == "paged" else None
+    if (engine.kv_cache, engine.kv_cache_gib) != (layout, pool_gib):
+        engine.release()
+        engine.kv_cache, engine.kv_cache_gib = layout, pool_gib
+
+
+def reset_peak_memory(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_memory(device: str) -> dict:
+    return {"peak_gib": torch.cuda.max_memory_allocated() / 1024**3} if device == "cuda" else {}
+
+
 def print_useful(rows: list[dict]) -> None:
-    print(f"{'batch':>5} {'seqs':>5} {'row':<32} {'useful tok':>10} {'seconds':>8} {'useful tok/s':>12} "
-          f"{'busy':>6} {'refills':>7} {'compact':>7}")
+    print(f"{'batch':>5} {'seqs':>5} {'row':<38} {'useful tok':>10} {'seconds':>8} {'useful tok/s':>12} "
+          f"{'busy':>6} {'refills':>7} {'compact':>7} {'prefill s':>9} {'peak GiB':>8} {'preempt':>7} {'pool tok':>8} "
+          f"{'pool use':>8}")
     for r in rows:
         busy = f"{r['busy_slot_fraction']:>6.1%}" if "busy_slot_fraction" in r else f"{'':>6}"
-        counts = f"{r['refills']:>7} {r['compactions']:>7}" if "refills" in r else ""
-        print(f"{r['batch']:>5} {r['sequences']:>5} {r['name']:<32} {r['useful_tokens']:>10} {r['seconds']:>8.2f} "
-              f"{r['useful_tokens_per_second']:>12.0f} {busy} {counts}")
+        counts = f"{r['refills']:>7} {r['compactions']:>7} {r['prefill_s']:>9.2f}" if "refills" in r else ""
+        peak = f" {r['peak_gib']:>8.1f}" if "peak_gib" in r else (f" {'':>8}" if "refills" in r else "")
+        pool = (f" {r['preemptions']:>7} {r['kv_pool_tokens']:>8} {r['kv_pool_peak_fraction']:>8.1%}"
+                if "preemptions" in r else "")
+        print(f"{r['batch']:>5} {r['sequences']:>5} {r['name']:<38} {r['useful_tokens']:>10} {r['seconds']:>8.2f} "
+              f"{r['useful_tokens_per_second']:>12.0f} {busy} {counts}{peak}{pool}")
 
 
 def useful_main(args) -> None:
@@ -363,11 +396,19 @@ def useful_main(args) -> None:
         return next(r["useful_tokens_per_second"] for r in rows if r["name"] == name and r["batch"] == batch)
 
     batch = rows[0]["batch"]
-    line = (f"continuous_over_static={rate('FastEngine continuous, tandem', batch) / rate('FastEngine static, tandem', batch):.2f} "
-            f"continuous_over_static_solo={rate('FastEngine continuous, solo', batch) / rate('FastEngine static, solo', batch):.2f}")
+    continuous = "FastEngine continuous" if "slots" in args.kv_cache else "FastEngine continuous paged"
+    parts = []
+    if not args.skip_static:
+        parts += [f"continuous_over_static={rate(f'{continuous}, tandem', batch) / rate('FastEngine static, tandem', batch):.2f}",
+                  f"continuous_over_static_solo={rate(f'{continuous}, solo', batch) / rate('FastEngine static, solo', batch):.2f}"]
     if args.vllm:
-        line += f" fast_over_vllm={rate('FastEngine continuous, solo', batch) / rate('vLLM, solo', batch):.2f}"
-    print(line)
+        parts.append(f"fast_over_vllm={rate(f'{continuous}, solo', batch) / rate('vLLM, solo', batch):.2f}")
+    if set(args.kv_cache) == {"slots", "paged"}:  # every batch size: the layouts' throughput, same run
+        for b in sorted({r["batch"] for r in rows}):
+            for policy in ("tandem", "solo"):
+                ratio = rate(f"FastEngine continuous paged, {policy}", b) / rate(f"FastEngine continuous, {policy}", b)
+                parts.append(f"paged_over_slots{'' if policy == 'tandem' else '_solo'}_b{b}={ratio:.3f}")
+    print(" ".join(parts))
 
 
 def main() -> None:
@@ -394,6 +435,12 @@ def main() -> None:
     parser.add_argument("--length-seed", type=int, default=0, help="seed of the budget draw (shared by every engine)")
     parser.add_argument("--vllm", action="store_true", help="also measure vLLM (solo), each engine in its own process")
     parser.add_argument("--vllm-kwargs", default="{}", help="JSON keyword arguments of VLLMEngine(...)")
+    parser.add_argument("--kv-cache", nargs="+", choices=["slots", "paged"], default=["slots"],
+                        help="with --lengths: the KV layouts of the continuous rows, each timed in the same run")
+    parser.add_argument("--kv-page-size", type=int, default=64, help="positions per page of the paged KV pool")
+    parser.add_argument("--kv-cache-gib", type=float, default=None,
+                        help="size of the paged pool (default: as large as the slot caches, so nothing is preempted)")
+    parser.add_argument("--skip-static", action="store_true", help="with --lengths: leave out the static-batch rows")
     parser.add_argument("--only", choices=["fast", "vllm"], default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.lengths != "fixed" or args.vllm:

@@ -1,4 +1,5 @@
-"""The Triton decode kernels against the plain-torch decode path, in Triton's CPU interpreter.
+"""The Triton decode kernels against the plain-torch decode path, in Triton's CPU interpreter
+(the attention kernels over slot caches and over paged pools read through a block table).
 
 The GPU runs them compiled (tests/test_fast_engine.py compares whole rollouts there); here the
 interpreter checks the arithmetic on any machine.
@@ -33,6 +34,21 @@ CHECK = textwrap.dedent("""
 
     interpreter._patch_lang_tensor = patched
 
+    def paged(k_cache, v_cache, page):  # [B, KV, S, D] caches as shuffled pages of random pools + table
+        batch, kv, length, d = k_cache.shape
+        cols = length // page
+        table = (torch.randperm(3 * batch * cols)[: batch * cols] + 1).view(batch, cols).to(torch.int32)
+        pools = []
+        for cache in (k_cache, v_cache):
+            pool = torch.randn(3 * batch * cols + 1, kv, page, d)  # [pages, KV, page, D]
+            pool[table.long()] = cache.view(batch, kv, cols, page, d).transpose(1, 2)
+            pools.append(pool)
+        return pools, table
+
+    def unpage(pool, table):
+        batch, cols = table.shape
+        return pool[table.long()].transpose(1, 2).reshape(batch, pool.shape[1], cols * pool.shape[2], pool.shape[3])
+
     torch.manual_seed(0)
     B, H, KV, D, S, hidden = 3, 8, 2, 16, 20, 32
     for has_norm in (True, False):
@@ -46,6 +62,14 @@ CHECK = textwrap.dedent("""
         kc_out, vc_out = kc.clone(), vc.clone()
         out = kernels.rope_attention(q, k, v, qn if has_norm else None, kn if has_norm else None, 1e-6,
                                      cos, sin, pos, slot, kc_out, vc_out, valid, 0.25, H, KV, D, block_n=4)
+        # the same caches as shuffled pages of a pool, read through a block table (page 5: a tile of
+        # 4 positions straddles pages)
+        (kp, vp), table = paged(kc, vc, page=5)
+        paged_out = kernels.rope_attention(q, k, v, qn if has_norm else None, kn if has_norm else None, 1e-6,
+                                           cos, sin, pos, slot, kp, vp, valid, 0.25, H, KV, D, block_n=4, table=table)
+        torch.testing.assert_close(paged_out, out)
+        torch.testing.assert_close(unpage(kp, table), kc_out)  # the new keys written in their pages
+        torch.testing.assert_close(unpage(vp, table), vc_out)
         qh, kh = q.reshape(B, H, D), k.reshape(B, KV, D)
         if has_norm:
             qh, kh = _rms_norm(qh, qn, 1e-6), _rms_norm(kh, kn, 1e-6)
@@ -61,6 +85,22 @@ CHECK = textwrap.dedent("""
         probs = scores.masked_fill(~attend[:, None], float("-inf")).softmax(-1)
         expected = torch.einsum("bhs,bhsd->bhd", probs, vc.repeat_interleave(H // KV, 1)).reshape(B, -1)
         torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+    # Qwen3.5's gated attention (rotary on 8 of 16 dims): paged pools equal the slot caches
+    qg, kv_new = torch.randn(B, H * 2 * D), torch.randn(B, 2 * KV * D)
+    k, v = kv_new.split([KV * D, KV * D], dim=-1)
+    qn, kn = torch.randn(D) * 0.3, torch.randn(D) * 0.3
+    cos, sin = torch.randn(S, 8), torch.randn(S, 8)
+    kc, vc = torch.randn(B, KV, S, D), torch.randn(B, KV, S, D)
+    (kp, vp), table = paged(kc, vc, page=5)  # a tile of 8 positions straddles pages
+    scratch = kp[0].clone()
+    out = kernels.gated_attention(qg, k, v, qn, kn, 1e-6, cos, sin, pos, slot, kc, vc, valid, 0.25, H, KV, D, block_n=8)
+    paged_out = kernels.gated_attention(qg, k, v, qn, kn, 1e-6, cos, sin, pos, slot, kp, vp, valid, 0.25, H, KV, D,
+                                        block_n=8, table=table)
+    torch.testing.assert_close(paged_out, out)
+    torch.testing.assert_close(unpage(kp, table), kc)
+    torch.testing.assert_close(unpage(vp, table), vc)
+    assert torch.equal(kp[0], scratch)  # no row wrote outside its own pages
 
     x, delta, w = torch.randn(4, hidden), torch.randn(4, hidden), torch.randn(hidden)
     stream = x.clone()

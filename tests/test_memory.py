@@ -52,6 +52,29 @@ def test_kv_and_training_state_hand_computed():
     assert checkpointed.update["activations"] < estimate.update["activations"] / 5
 
 
+def test_a_paged_pool_is_counted_and_sized_to_what_fits():
+    """A paged engine's KV caches are its pool; an unsized pool whose slot-sized default does not
+    fit the GPU gets the positions that do (both models' K/V per position), a sized one is kept."""
+    from tandem_lit.rollout.static import FastEngine
+    from tandem_lit.training.memory import plan_kv_pool
+
+    settings = StepSettings(rollout_sequences=128, sequence_tokens=3128, micro_batch_tokens=8048, rollout_bytes=2,
+                            rollout_copy=True, junior_bytes=2, offload_optimizer=True)
+    junior = ModelShape(**{**vars(QWEN3_4B), "trainable": 0, "param_bytes": 2, "trainable_bytes": 0})
+    slots = estimate_step_memory(QWEN3_4B, junior, settings)
+    assert slots.kv_bytes_per_token == 2 * 147_456 and slots.rollout["KV caches"] == 128 * 3128 * 2 * 147_456
+    pooled = estimate_step_memory(QWEN3_4B, junior, StepSettings(**{**vars(settings), "kv_pool_tokens": 100_000}))
+    assert pooled.rollout["KV caches"] == 100_000 * 2 * 147_456
+    assert plan_kv_pool(FastEngine(), slots, 141 * GIB) is None  # slot caches: nothing to plan
+    engine = FastEngine(kv_cache="paged")
+    fit = (141 * GIB - (sum(slots.rollout.values()) - 128 * 3128 * 2 * 147_456)) // (2 * 147_456)
+    line = plan_kv_pool(engine, slots, 141 * GIB)
+    assert engine.kv_cache_tokens == fit < 128 * 3128 and "what fits the GPU" in line
+    assert sum(slots.rollout.values()) <= 141 * GIB  # the rollout phase now fits
+    sized = FastEngine(kv_cache="paged", kv_cache_gib=20.0)
+    assert "kv_cache_gib" in plan_kv_pool(sized, pooled, 141 * GIB) and sized.kv_cache_tokens is None
+
+
 def test_hybrid_layers_count_what_their_torch_fallback_saves():
     """Qwen3.5's Gated DeltaNet layers save ~3x a Llama block's bytes per token and its gated
     attention ~1.5x (benchmarks/activation_bytes.py): the estimate weights each layer by its type,

@@ -10,7 +10,8 @@ The engine releases its caches before the update and gradients are freed (not ze
 so the peak is the larger phase, not their sum. ``estimate_step_memory`` adds the parts up from
 the models' shapes and the run's settings; ``MemoryEstimate.check`` fails before the first step
 with what does not fit and which setting to change, instead of an out-of-memory trace mid-run.
-The activation model is deliberately simple (saved tensors of a Llama-family block under bf16
+With a paged engine the KV caches are its pool, and ``plan_kv_pool`` sizes a pool the run left
+unsized to what fits. The activation model is deliberately simple (saved tensors of a Llama-family block under bf16
 autocast, counted per token; a hybrid model's layers weighted by what they were measured to save,
 ``HYBRID_LAYER_FACTORS``); ``benchmarks/train_step.py`` prints it next to the measured peak and
 ``benchmarks/activation_bytes.py`` measures a layer's saved bytes against it.
@@ -118,12 +119,20 @@ class StepSettings:
     offload_optimizer: bool = False
     optimizer_states: int = 2  # AdamW: exp_avg and exp_avg_sq, in the trainable dtype
     reference_copy: bool = False  # a frozen copy of the senior for the KL term
+    kv_pool_tokens: int | None = None  # a paged engine's pool (positions); None: slot caches, sequences x tokens
 
 
 @dataclass
 class MemoryEstimate:
     rollout: dict[str, int] = field(default_factory=dict)
     update: dict[str, int] = field(default_factory=dict)
+    kv_bytes_per_token: int = 0  # both models' K/V of one token position
+
+    def kv_tokens_that_fit(self, capacity: int) -> int:
+        """Token positions of KV cache that fit in ``capacity`` bytes beside the rest of the rollout
+        phase (the update phase holds no KV cache)."""
+        others = sum(self.rollout.values()) - self.rollout.get("KV caches", 0)
+        return max(capacity - others, 0) // max(self.kv_bytes_per_token, 1)
 
     @property
     def peak(self) -> int:
@@ -162,10 +171,9 @@ def estimate_step_memory(senior: ModelShape, junior: ModelShape | None, settings
         "reference": senior.params * senior.param_bytes if s.reference_copy else 0,
         "overhead": FIXED_OVERHEAD,
     }
-    kv = s.rollout_sequences * s.sequence_tokens * senior.kv_bytes_per_token(s.rollout_bytes)
-    if junior is not None:
-        kv += s.rollout_sequences * s.sequence_tokens * junior.kv_bytes_per_token(s.junior_bytes)
-    rollout = dict(common, **{"KV caches": kv, "optimizer state": 0 if s.offload_optimizer else state})
+    per_token = senior.kv_bytes_per_token(s.rollout_bytes) + (junior.kv_bytes_per_token(s.junior_bytes) if junior else 0)
+    tokens = s.kv_pool_tokens if s.kv_pool_tokens is not None else s.rollout_sequences * s.sequence_tokens
+    rollout = dict(common, **{"KV caches": tokens * per_token, "optimizer state": 0 if s.offload_optimizer else state})
     compute = 2 if s.mixed_precision else senior.trainable_bytes or senior.param_bytes
     activations = s.micro_batch_tokens * senior.activation_bytes_per_token(s.checkpointing, compute)
     update = dict(
@@ -178,7 +186,27 @@ def estimate_step_memory(senior: ModelShape, junior: ModelShape | None, settings
             "autocast weight cache": senior.trainable * 2 if s.mixed_precision and senior.trainable_bytes > 2 else 0,
         },
     )
-    return MemoryEstimate(rollout=rollout, update=update)
+    return MemoryEstimate(rollout=rollout, update=update, kv_bytes_per_token=per_token)
+
+
+def plan_kv_pool(engine, estimate: MemoryEstimate, capacity: int) -> str | None:
+    """Size a paged engine's KV pool (``FastEngine(kv_cache="paged")``) against the device, and say
+    so: a pool the run left unsized defaults to the slot caches' size; when that does not fit,
+    it gets the positions that do (admission then waits for free pages instead of the rollout
+    running out of memory). ``estimate`` is updated. None for engines without a paged pool."""
+    if getattr(engine, "kv_cache", None) != "paged":
+        return None
+    fit = estimate.kv_tokens_that_fit(capacity)
+    tokens = estimate.rollout["KV caches"] // max(estimate.kv_bytes_per_token, 1)
+    sized_by = "engine.kv_cache_tokens / kv_cache_gib"
+    if engine.kv_cache_tokens is None and engine.kv_cache_gib is None:
+        sized_by = "rollout sequences x (prompt + max_new_tokens)"
+        if 0 < fit < tokens:
+            engine.kv_cache_tokens = tokens = fit
+            estimate.rollout["KV caches"] = fit * estimate.kv_bytes_per_token
+            sized_by = "what fits the GPU"
+    return (f"paged KV pool: {tokens:,} token positions, {estimate.rollout['KV caches'] / GIB:.1f} GiB ({sized_by}); "
+            f"{fit:,} fit beside the rest of the rollout phase")
 
 
 def pack_by_tokens(
@@ -271,10 +299,12 @@ class OptimizerOffload:
 def estimate_run_memory(
     senior: nn.Module, junior: nn.Module | None, reference_copy: bool, requested_dtype: str, rollout, update, memory,
     prompts_per_step: int, mixed_precision: bool, decode_dtype: torch.dtype | None = None,
+    kv_pool_tokens: int | None = None, kv_pool_gib: float | None = None,
 ) -> MemoryEstimate:
     """A training step's memory from the models' shapes and a run's settings (``RolloutSettings``,
     ``UpdateSettings``, ``MemorySettings``); ``decode_dtype`` defaults to the engine's rollout
-    dtype (``requested_dtype``) here: pass bf16 to size a GPU run elsewhere."""
+    dtype (``requested_dtype``) here: pass bf16 to size a GPU run elsewhere. A paged engine's
+    pool counts as sized (``kv_pool_tokens`` positions, or ``kv_pool_gib``), else as slot caches."""
     from tandem_lit.rollout.weights import needs_copy, rollout_dtype
 
     if decode_dtype is None and requested_dtype != "live":
@@ -300,5 +330,10 @@ def estimate_run_memory(
         checkpointing=memory.gradient_checkpointing,
         offload_optimizer=memory.offload_optimizer,
         reference_copy=reference_copy,
+        kv_pool_tokens=kv_pool_tokens,
     )
-    return estimate_step_memory(senior_shape, junior_shape, settings)
+    estimate = estimate_step_memory(senior_shape, junior_shape, settings)
+    if kv_pool_gib is not None:
+        settings.kv_pool_tokens = int(kv_pool_gib * GIB) // estimate.kv_bytes_per_token
+        estimate = estimate_step_memory(senior_shape, junior_shape, settings)
+    return estimate

@@ -54,7 +54,7 @@ from tandem_lit.rollout.weights import gathered, rollout_named_tensors
 from tandem_lit.runs import start_run_record
 from tandem_lit.training import checkpoints, completions, preflight
 from tandem_lit.training.distributed import Shares, check_several_processes, reduce_metrics
-from tandem_lit.training.memory import GIB, estimate_run_memory
+from tandem_lit.training.memory import GIB, estimate_run_memory, plan_kv_pool
 from tandem_lit.training.rollout_phase import RolloutPhase
 from tandem_lit.training.settings import (
     EvaluationSettings,
@@ -228,6 +228,7 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         return estimate_run_memory(
             self.senior, self.junior, self.reference is not None, getattr(self.engine, "rollout_dtype", "auto"),
             self.rollout_settings, self.update_settings, self.memory, prompts_per_step, mixed_precision, decode_dtype,
+            getattr(self.engine, "kv_cache_tokens", None), getattr(self.engine, "kv_cache_gib", None),
         )
 
     def configure_optimizers(self):
@@ -262,9 +263,11 @@ class TandemModule(EvaluationSteps, L.LightningModule):
             return
         avoid_cudnn_attention_backward()
         self.estimated_memory = self.memory_estimate()
+        properties = torch.cuda.get_device_properties(self.device)
+        if pool := plan_kv_pool(self.engine, self.estimated_memory, properties.total_memory):
+            log.info(pool)
         log.info("estimated peak GPU memory of a training step: %s", self.estimated_memory.table())
         if self.memory.check:
-            properties = torch.cuda.get_device_properties(self.device)
             self.estimated_memory.check(properties.total_memory, properties.name)
 
     # --------------------------------------------------------------------------------- training

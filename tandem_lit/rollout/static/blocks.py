@@ -127,3 +127,39 @@ def layer_cache(cache, index: int) -> tuple[Tensor, Tensor]:
         layer = cache.layers[index]
         return layer.keys, layer.values
     return cache.key_cache[index], cache.value_cache[index]
+
+
+# ------------------------------------------------------------------ paged KV pools (torch path)
+# A pool is [pages, kv_heads, page_size, head_dim] per layer: the slot layout [rows, kv_heads,
+# positions, head_dim] with positions cut into pages, so one head's page is contiguous, as a row's
+# positions are in a slot cache. A row of the block table maps a sequence's logical page to a
+# pool page (``paging.py``); a position is a flat index page * page_size + offset. Page 0 is
+# scratch: rows without a sequence, or past their own pages, write there.
+
+
+def page_slots(table: Tensor, slot: Tensor, page_size: int) -> Tensor:  # [B, P] int, [B] -> [B] long
+    """Each row's new-token position, as a flat pool position."""
+    page = table.gather(1, (slot // page_size).unsqueeze(1)).squeeze(1).long()
+    return page * page_size + slot % page_size
+
+
+def write_pages(pool: Tensor, positions: Tensor, values: Tensor) -> None:
+    """values [N, KV, D] at flat pool positions [N] (rows past their pages all write the scratch page)."""
+    page_size = pool.shape[2]
+    pool[positions // page_size, :, positions % page_size] = values.to(pool.dtype)
+
+
+def read_pages(pool: Tensor, table: Tensor, kv_len: int) -> Tensor:  # -> [B, KV, kv_len, D]
+    """Positions [0, kv_len) of every row, gathered through its table row."""
+    kv_heads, page_size, head_dim = pool.shape[1:]
+    pages = table[:, : -(-kv_len // page_size)].long()  # [B, n]
+    gathered = pool[pages].transpose(1, 2)  # [B, KV, n, page_size, D]
+    return gathered.reshape(table.shape[0], kv_heads, -1, head_dim)[:, :, :kv_len]
+
+
+def write_prompt_pages(pool: Tensor, keys: Tensor, placement: tuple[Tensor, Tensor]) -> None:
+    """Prefilled keys (or values) [B, KV, W, D] into the pool: ``placement`` = (source: flat
+    indices into the B x W prompt positions, dest: flat pool positions), one pair per kept token."""
+    source, dest = placement
+    flat = keys.transpose(1, 2).reshape(-1, keys.shape[1], keys.shape[3])  # [B * W, KV, D]
+    write_pages(pool, dest, flat.index_select(0, source))

@@ -15,6 +15,14 @@ kernel launch gaps, host syncs. So:
 - Prefill runs the models' own Hugging Face decoder stack over the admitted prompts (left-padded
   among themselves); its keys/values (and Qwen3.5's linear-attention states) are copied into the
   freed rows of preallocated static caches.
+- KV layout (``kv_cache``): ``slots`` gives every decode row its own cache of prompt + cap
+  positions, so memory is rows x (prompt + cap) whatever the sequences use, and compaction copies
+  cache rows. ``paged`` keeps one pool of fixed-size pages per layer and model and one block
+  table row per decode row, shared by both models (``paging.py``): a sequence holds the pages of
+  the positions it has written, admission waits for free pages, a sequence that needs a page
+  when none is free preempts the newest one (recomputed later from its prompt: sampling is keyed
+  by seed and position, so it reproduces itself), and compaction moves table rows, not K/V.
+  Qwen3.5's linear-attention states stay per row (they are O(1) per sequence).
 - One decode step = senior forward + junior forward + sampling + handoff draw + author record +
   stop flags (the shared ``TandemDecoder``), written against static buffers and captured once as
   a CUDA graph per (ladder batch size, attention length bucket, sampling/handoff settings), all
@@ -49,8 +57,9 @@ from tandem_lit.rollout.handoff import HandoffPolicy
 from tandem_lit.rollout.record import PromptBatch, Rollout
 from tandem_lit.rollout.sampling import SamplingConfig
 from tandem_lit.rollout.static.hybrid import HYBRID_MODEL_TYPES, HybridDecoderModel
+from tandem_lit.rollout.static.paging import BlockManager, prompt_placement, write_table_rows
 from tandem_lit.rollout.static.plain import StaticDecoderModel
-from tandem_lit.rollout.static.scheduler import SlotTable
+from tandem_lit.rollout.static.scheduler import PagedSlotTable, SlotTable
 from tandem_lit.rollout.weights import check_rollout_dtype
 
 
@@ -71,13 +80,33 @@ def check_architecture(config) -> None:
         StaticDecoderModel.check_architecture(config)
 
 
+def check_kv_cache(kv_cache: str, page_size: int, tokens: int | None, gib: float | None) -> None:
+    """Raise ConfigError (one line) for FastEngine's KV-layout settings that cannot work."""
+    if kv_cache not in ("slots", "paged"):
+        raise ConfigError(f"kv_cache must be 'slots' or 'paged', got {kv_cache!r}")
+    if page_size < 1:
+        raise ConfigError(f"kv_page_size must be >= 1, got {page_size}")
+    if tokens is not None and gib is not None:
+        raise ConfigError("set kv_cache_tokens or kv_cache_gib, not both")
+    if (tokens is not None and tokens < 1) or (gib is not None and not gib > 0):
+        raise ConfigError(f"the paged KV pool needs a positive size, got kv_cache_tokens={tokens}, kv_cache_gib={gib}")
+    if kv_cache == "slots" and (tokens is not None or gib is not None):
+        raise ConfigError("kv_cache_tokens / kv_cache_gib size the paged pool: set kv_cache: paged")
+
+
 class _Batch:
     """Buffers shared by both models for one batch capacity: per-row cache slots, positions,
-    masks, logits. Everything is per row (dim 0 = decode slot), so a row can be refilled with a
-    new sequence or moved by compaction without touching its neighbours."""
+    masks, logits, and with a paged pool the block table. Everything is per row (dim 0 = decode
+    slot), so a row can be refilled with a new sequence or moved by compaction without touching
+    its neighbours."""
 
-    def __init__(self, capacity: int, length: int, vocab: dict[str, int], device):
+    def __init__(self, capacity: int, length: int, vocab: dict[str, int], device, pages: int = 0, page_size: int = 1):
         self.capacity, self.length = capacity, length
+        self.pages = pages  # pool pages (0: slots layout)
+        # logical page -> pool page of each row's sequence; 0 (the scratch page) where it holds none.
+        # Written by the host between chunks (``PagedSlotTable.page_rows``), read by every step.
+        self.table = (torch.zeros(capacity, -(-length // page_size), dtype=torch.int32, device=device)
+                      if pages else None)
         # each row's cache slot of its newest token: rows admitted at different steps, or with
         # prompts of different widths, sit at different depths of their caches
         self.slot = torch.zeros(capacity, dtype=torch.long, device=device)
@@ -137,7 +166,18 @@ class FastEngine(RolloutEngine):
         max_batch: Sequences decoded at once (None: every row of a ``generate`` call). The rows of
             a call are a queue: when sequences finish, their slots are refilled from it (one
             batched prefill of both models); once it is empty, the live rows are compacted into
-            the next smaller captured batch size. KV caches are sized for ``max_batch`` rows.
+            the next smaller captured batch size. Slot KV caches are sized for ``max_batch`` rows.
+        kv_cache: ``slots`` (default): one KV cache row of prompt + ``max_new_tokens`` positions per
+            decode row. ``paged``: a pool of pages per layer and model, one block table shared by
+            both models; sequences hold the pages they use, admission waits for free pages, and a
+            sequence that needs a page when none is free preempts the newest (recomputed from its
+            prompt later, with the same result), so concurrency is bounded by the tokens in use.
+        kv_page_size: Token positions per page of the paged pool.
+        kv_cache_tokens: Token positions the paged pool holds (each: both models' K/V). Default
+            (neither this nor ``kv_cache_gib``): what the slots layout would hold, ``max_batch`` x
+            (widest prompt + ``max_new_tokens``), so nothing is ever preempted.
+        kv_cache_gib: The paged pool's size in GiB instead (both models' K/V; not Qwen3.5's per-row
+            linear-attention states).
     """
 
     queues_rows = True
@@ -152,9 +192,16 @@ class FastEngine(RolloutEngine):
         overlap_junior: bool = True,
         rollout_dtype: str = "auto",
         max_batch: int | None = None,
+        kv_cache: Literal["slots", "paged"] = "slots",
+        kv_page_size: int = 64,
+        kv_cache_tokens: int | None = None,
+        kv_cache_gib: float | None = None,
     ):
         if kv_block < 1 or check_every < 1:
             raise ConfigError("kv_block and check_every must be >= 1")
+        check_kv_cache(kv_cache, kv_page_size, kv_cache_tokens, kv_cache_gib)
+        self.kv_cache, self.kv_page_size = kv_cache, kv_page_size
+        self.kv_cache_tokens, self.kv_cache_gib = kv_cache_tokens, kv_cache_gib
         if max_batch is not None and max_batch < 1:
             raise ConfigError(f"max_batch must be >= 1 (or None: all rows at once), got {max_batch}")
         self.max_batch = max_batch
@@ -215,12 +262,23 @@ class FastEngine(RolloutEngine):
         self._decoders.clear()  # decoders and graphs hold views of the old buffers
         self._drop_graphs()
         self._batch = None
+        pages = self._pool_pages(capacity, length) if self.kv_cache == "paged" else 0
         for model in self.models.values():
-            model.allocate(capacity, length)
+            model.allocate(capacity, length, pages, self.kv_page_size)
         any_model = self.models["senior"]
         vocab = {name: m.lm_head.weight.shape[0] for name, m in self.models.items()}
-        self._batch = _Batch(capacity, length, vocab, any_model.device)
+        self._batch = _Batch(capacity, length, vocab, any_model.device, pages, self.kv_page_size)
         return self._batch
+
+    def _pool_pages(self, capacity: int, length: int) -> int:
+        """Pages of the paged pool, the scratch page included (see ``kv_cache_tokens``)."""
+        page = self.kv_page_size
+        if self.kv_cache_gib is not None:
+            per_page = page * sum(m.kv_bytes_per_token() for m in self.models.values())
+            return max(int(self.kv_cache_gib * 1024**3 // per_page), 2)
+        if self.kv_cache_tokens is not None:
+            return -(-self.kv_cache_tokens // page) + 1
+        return capacity * -(-length // page) + 1
 
     def _decoder(self, policy: HandoffPolicy, sampling: SamplingConfig, capacity: int) -> tuple[tuple, TandemDecoder]:
         key = (repr(policy), astuple(sampling), capacity)
@@ -251,7 +309,7 @@ class FastEngine(RolloutEngine):
 
         def forward(name: str, out: Tensor) -> None:
             position = buf.position[name][:batch]
-            out.copy_(self.models[name].decode(token, position, slot, buf.valid[name], kv_len, self.triton))
+            out.copy_(self.models[name].decode(token, position, slot, buf.valid[name], kv_len, self.triton, buf.table))
 
         if senior is not None and junior is not None and self._overlap():
             # The two forwards are independent until the next step's sampling, and each alone
@@ -334,7 +392,11 @@ class FastEngine(RolloutEngine):
         started = time.perf_counter()
         buf = self._ensure_capacity(capacity, width + sampling.max_new_tokens)
         key, decoder = self._decoder(policy, sampling, capacity)
-        run = _Run(decoder, SlotTable(list(range(rows)), capacity, budgets.tolist()), _PhaseClock(device))
+        if buf.table is not None:
+            table = self._paged_table(prompts, budgets, capacity, buf)
+        else:
+            table = SlotTable(list(range(rows)), capacity, budgets.tolist())
+        run = _Run(decoder, table, _PhaseClock(device))
         run.width = width
         active = [name for name, needed in (("senior", decoder.needs_senior), ("junior", decoder.needs_junior)) if needed]
         # static caches hold the weights' dtype: decode in it, also inside a bf16-mixed training step
@@ -356,6 +418,9 @@ class FastEngine(RolloutEngine):
             while True:
                 view = decoder.narrow(run.table.batch)
                 steps = min(self.check_every, run.table.steps_left())
+                if buf.table is not None:  # pages for this chunk's positions (may preempt)
+                    self._reserve(run, steps)
+                    steps = min(steps, run.table.steps_left())
                 needed = run.table.kv_needed()  # host bookkeeping once per chunk, not per step
                 for i in range(steps):
                     kv_len = self._kv_len(needed + i)
@@ -384,6 +449,35 @@ class FastEngine(RolloutEngine):
         self._last_run = run
         return package_rollout(prompts, results, self.tokenizer, decoder.needs_senior)
 
+    # ---------------------------------------------------------------------------- paged pool
+
+    def _paged_table(self, prompts: PromptBatch, budgets: Tensor, capacity: int, buf: _Batch) -> PagedSlotTable:
+        """The slot table of a paged ``generate``: a sequence's positions start at its own prompt
+        (the longer of the two models' prompts: both read the same positions), not at the widest
+        of its admission group, so no page holds another row's padding."""
+        masks = [mask for _, mask in model_prompts(prompts).values()]
+        prompt_tokens = torch.stack([m.sum(-1) for m in masks]).amax(0).tolist()
+        pages = BlockManager(buf.pages, self.kv_page_size)
+        longest = max(p + b for p, b in zip(prompt_tokens, budgets.tolist()))
+        if pages.pages_for(longest) > pages.usable:
+            raise ConfigError(
+                f"the paged KV pool holds {pages.usable * self.kv_page_size} tokens, and a sequence of this batch "
+                f"needs up to {longest} (prompt + max_new_tokens): raise kv_cache_tokens / kv_cache_gib"
+            )
+        buf.table.zero_()  # rows point at the scratch page until they hold a sequence
+        return PagedSlotTable(list(range(prompts.batch_size)), capacity, budgets.tolist(), prompt_tokens, pages)
+
+    def _reserve(self, run: _Run, steps: int) -> None:
+        """Give every live sequence the pages of its next ``steps`` positions (preempted rows are
+        emptied: their sequences wait at the front of the queue), then write the changed table rows."""
+        preempted = run.table.reserve(steps)
+        device = self._batch.slot.device
+        if preempted:
+            run.decoder.state.finished[torch.tensor(preempted, device=device)] = True
+        write_table_rows(self._batch.table, run.table.page_rows())
+        pages = run.table.pages
+        run.peak_pages = max(run.peak_pages, pages.usable - len(pages.free))
+
     def _admit(self, run: _Run, prompts: PromptBatch, budgets: Tensor, active: list[str]) -> None:
         """Refill free slots from the queue: one prefill of both models over the admitted prompts
         (left-padded among themselves), their caches copied into the freed rows."""
@@ -397,16 +491,23 @@ class FastEngine(RolloutEngine):
         inputs = model_prompts(group)
         run.decoder.admit(rows, group.seeds, budgets[torch.tensor(sequences, device=device)])
         width = inputs["senior"][0].shape[1]
-        buf.slot[rows] = width - 1
+        if buf.table is None:
+            buf.slot[rows] = width - 1
+            placement = None
+            bounds = [width - 1] * len(slots)
+        else:  # paged: each row's positions start at its own prompt (its last `own` columns)
+            own = [run.table.prompt_tokens[s] for s in sequences]
+            buf.slot[rows] = torch.tensor(own, device=device) - 1
+            held = [run.table.pages.held[s] for s in sequences]
+            placement = tuple(x.to(device) for x in prompt_placement(held, own, width, self.kv_page_size))
+            bounds = [tokens - 1 for tokens in own]
         for name in active:
             ids, mask = inputs[name]
             buf.position[name][rows] = mask.sum(-1) - 1
-            valid = torch.zeros(len(slots), buf.length, dtype=torch.bool, device=device)
-            valid[:, :width] = mask.bool()
-            buf.valid[name][rows] = valid  # a whole row: nothing of the slot's last sequence stays visible
-            buf.logits[name][rows] = self.models[name].prefill(ids, mask, rows).float()
-        for slot in slots:
-            run.table.bound[slot] = width - 1
+            buf.valid[name][rows] = _valid_rows(mask, buf.slot[rows], width, buf)
+            buf.logits[name][rows] = self.models[name].prefill(ids, mask, rows, placement).float()
+        for slot, bound in zip(slots, bounds):
+            run.table.bound[slot] = bound
         run.prefills.append(self._event())
         run.refills += run.steps > 0
 
@@ -417,7 +518,7 @@ class FastEngine(RolloutEngine):
         for tensor in (*run.decoder.per_row(), *self._batch.per_row()):
             tensor[: len(sources)] = tensor[sources]
         for model in self.models.values():
-            model.move_rows(sources)
+            model.move_rows(sources)  # paged pools stay put: the table rows are rewritten before the next step
         run.decoder.state.finished[len(sources):].fill_(True)  # the rows left behind are empty
         run.compactions += 1
 
@@ -434,7 +535,9 @@ class FastEngine(RolloutEngine):
         capture: zero when both are reused), prefill seconds (every refill included), decode
         seconds and steps, the decode step time; ``busy_slot_fraction``: tokens written over the
         rows the steps paid for (live row-steps / decoded row-steps); refills (admissions after
-        decoding started) and compactions; ``prompt_width``: the widest padded prompt."""
+        decoding started) and compactions; ``prompt_width``: the widest padded prompt. With
+        ``kv_cache: paged`` also ``preemptions``, ``kv_pool_tokens`` (positions the pool holds) and
+        ``kv_pool_peak_fraction`` (the most of it held at once)."""
         run = self._last_run
         if run is None:
             raise RuntimeError("last_timing() reports on a generate() call; none has run yet")
@@ -450,12 +553,32 @@ class FastEngine(RolloutEngine):
             "decode_step_ms": 1000 * decode / max(run.steps, 1),
             "busy_slot_fraction": run.live_steps / max(run.slot_steps, 1),
             "refills": run.refills, "compactions": run.compactions, "prompt_width": run.width,
+            **self._pool_timing(run),
         }
+
+    def _pool_timing(self, run: _Run) -> dict[str, float]:
+        if not isinstance(run.table, PagedSlotTable):
+            return {}
+        pages = run.table.pages
+        return {"preemptions": run.table.preemptions, "kv_pool_tokens": pages.usable * pages.page_size,
+                "kv_pool_peak_fraction": run.peak_pages / pages.usable}
 
     def _kv_len(self, needed: int) -> int:
         if self.triton:  # the attention kernel reads its bound on the device: one graph for all steps
             return self._batch.length
         return min(math.ceil(needed / self.kv_block) * self.kv_block, self._batch.length)
+
+
+def _valid_rows(mask: Tensor, last: Tensor, width: int, buf: _Batch) -> Tensor:  # [n, width], [n] -> [n, length] bool
+    """Admitted rows' valid flags: prompt column ``width - 1 - last + p`` at position p (the row's
+    last prompt token at slot ``last``), nothing after: a whole row, so nothing of the slot's last
+    sequence stays visible."""
+    if buf.table is None:  # slots: every row's prompt sits at [0, width)
+        valid = torch.zeros(mask.shape[0], buf.length, dtype=torch.bool, device=mask.device)
+        valid[:, :width] = mask.bool()
+        return valid
+    columns = torch.arange(buf.length, device=mask.device) + (width - 1 - last)[:, None]
+    return mask.bool().gather(1, columns.clamp(max=width - 1)) & (columns < width)
 
 
 class _Run:
@@ -468,3 +591,4 @@ class _Run:
         self.steps = self.slot_steps = self.live_steps = 0
         self.refills = self.compactions = 0
         self.width = 0
+        self.peak_pages = 0  # paged pool: the most pages held at once

@@ -28,7 +28,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tandem_lit.errors import ConfigError
-from tandem_lit.rollout.static.blocks import Fused, Linear, layer_cache, prefill_with_cache, rotate_half
+from tandem_lit.rollout.static.blocks import (
+    Fused,
+    Linear,
+    layer_cache,
+    page_slots,
+    prefill_with_cache,
+    read_pages,
+    rotate_half,
+    write_pages,
+    write_prompt_pages,
+)
 
 HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 
@@ -171,8 +181,9 @@ class HybridDecoderModel:
         weight = self.embed.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.gate_up: dict = {}  # layer index -> fused gate/up projection (``fuse_projections``)
-        self.k_cache: dict[int, Tensor] = {}
+        self.k_cache: dict[int, Tensor] = {}  # full-attention layer -> [B, KV, S, D] slots or a [pages, KV, P, D] pool
         self.v_cache: dict[int, Tensor] = {}
+        self.page_size = 0  # 0: one cache row per decode row (slots); else the paged pool's page
         self.cos = self.sin = None
 
     @staticmethod
@@ -204,9 +215,17 @@ class HybridDecoderModel:
             if part is not None:
                 part.sync()
 
-    def allocate(self, batch: int, length: int) -> None:
+    def kv_bytes_per_token(self) -> int:
+        """K/V bytes of one token position (full-attention layers only: the linear-attention
+        layers' states are per sequence)."""
+        return self.layer_types.count("full_attention") * 2 * self.kv_heads * self.head_dim * self.dtype.itemsize
+
+    def allocate(self, batch: int, length: int, pages: int = 0, page_size: int = 0) -> None:
+        """Linear-attention states for ``batch`` rows; full-attention caches for ``batch`` sequences
+        of up to ``length`` tokens, or (``pages`` > 0) a paged pool read through a block table."""
         self.free()
-        shape = (batch, self.kv_heads, length, self.head_dim)
+        self.page_size = page_size if pages else 0
+        shape = (pages if pages else batch, self.kv_heads, page_size if pages else length, self.head_dim)
         for i, (_, mixer, _) in enumerate(self.blocks):
             if isinstance(mixer, _DeltaLayer):
                 mixer.allocate(batch, self.device, self.dtype)
@@ -225,16 +244,19 @@ class HybridDecoderModel:
 
     def free(self) -> None:
         self.k_cache, self.v_cache = {}, {}
+        self.page_size = 0
         for _, mixer, _ in self.blocks:
             if isinstance(mixer, _DeltaLayer):
                 mixer.free()
         self.cos = self.sin = None
 
     @torch.no_grad()
-    def prefill(self, input_ids: Tensor, attention_mask: Tensor, rows: Tensor) -> Tensor:  # -> [B, V]
+    def prefill(self, input_ids: Tensor, attention_mask: Tensor, rows: Tensor,
+                placement: tuple[Tensor, Tensor] | None = None) -> Tensor:  # -> [B, V]
         """The model's own forward over the prompts; its cache is copied into the static buffers'
-        ``rows`` (keys/values into slots [0, P), the convolution and recurrent states as they end:
-        a row's states are per sequence, so they are overwritten whole on admission)."""
+        ``rows`` (keys/values into slots [0, P), or into a paged pool where ``placement`` puts them;
+        the convolution and recurrent states as they end: a row's states are per sequence, so they
+        are overwritten whole on admission)."""
 
         width = input_ids.shape[1]
         hidden, cache = prefill_with_cache(self.decoder_stack, self.config, input_ids, attention_mask)
@@ -245,43 +267,54 @@ class HybridDecoderModel:
                 mixer.state[rows] = recurrent.to(mixer.state.dtype)
             else:
                 keys, values = layer_cache(cache, i)
+                if placement is not None:
+                    write_prompt_pages(self.k_cache[i], keys, placement)
+                    write_prompt_pages(self.v_cache[i], values, placement)
+                    continue
                 self.k_cache[i][rows, :, :width] = keys
                 self.v_cache[i][rows, :, :width] = values
         last = hidden[:, -1:].contiguous()
         return self.lm_head(last)[:, -1]
 
     def move_rows(self, sources: Tensor) -> None:
-        """Compaction: row ``i`` of every cache and linear-attention state becomes row ``sources[i]``'s."""
-        for cache in (*self.k_cache.values(), *self.v_cache.values()):
-            cache[: len(sources)] = cache[sources]
+        """Compaction: row ``i`` of every cache and linear-attention state becomes row ``sources[i]``'s
+        (a paged pool stays put: the block table rows move instead)."""
+        if not self.page_size:
+            for cache in (*self.k_cache.values(), *self.v_cache.values()):
+                cache[: len(sources)] = cache[sources]
         for _, mixer, _ in self.blocks:
             if isinstance(mixer, _DeltaLayer):
                 mixer.move_rows(sources)
 
-    def decode(self, token: Tensor, position: Tensor, slot: Tensor, valid: Tensor, kv_len: int, triton: bool) -> Tensor:
+    def decode(self, token: Tensor, position: Tensor, slot: Tensor, valid: Tensor, kv_len: int, triton: bool,
+               table: Tensor | None = None) -> Tensor:
         """One token per sequence (the interface of ``StaticDecoderModel.decode``): full-attention
-        layers write K/V at each row's ``slot`` ([B]) and attend to the valid slots below ``kv_len``; linear-attention
-        layers advance their states. ``triton``: the recurrence as one Triton kernel (GPU)."""
+        layers write K/V at each row's ``slot`` ([B]) and attend to the valid slots below ``kv_len``
+        (through ``table`` into a paged pool, if given); linear-attention layers advance their
+        states. ``triton``: the recurrence as one Triton kernel (GPU)."""
         batch = token.shape[0]
         x = self.embed.weight[token]
+        if table is not None:
+            table = table[:batch]
         if triton:
-            return self._decode_fused(x, position, slot, valid[:batch])
+            return self._decode_fused(x, position, slot, valid[:batch], table)
         kv_len = min(kv_len, self.cos.shape[0])  # (the Triton engine passes its full length)
         valid = valid[:batch, :kv_len]
         mask = torch.zeros(valid.shape, dtype=self.dtype, device=self.device).masked_fill_(~valid, torch.finfo(self.dtype).min)
         mask = mask[:, None, None, :]
         cos, sin = self.cos[position].unsqueeze(1), self.sin[position].unsqueeze(1)  # [B, 1, rot]
+        paged = (table, page_slots(table, slot, self.page_size)) if table is not None else None
         for i, (layer, mixer, (gate, up, down)) in enumerate(self.blocks):
             h = _norm_1p(layer.input_layernorm, x)
             if isinstance(mixer, _DeltaLayer):
                 x = x + mixer.step(h)
             else:
-                x = x + self._attend(i, mixer, h, cos, sin, slot, mask, kv_len)
+                x = x + self._attend(i, mixer, h, cos, sin, slot, mask, kv_len, paged)
             h = _norm_1p(layer.post_attention_layernorm, x)
             x = x + down(F.silu(gate(h)) * up(h))
         return self.lm_head(_norm_1p(self.final_norm, x))
 
-    def _decode_fused(self, x: Tensor, position: Tensor, slot: Tensor, valid: Tensor) -> Tensor:
+    def _decode_fused(self, x: Tensor, position: Tensor, slot: Tensor, valid: Tensor, table: Tensor | None) -> Tensor:
         """The GPU step: residual adds fused into the norms, a linear-attention layer in two Triton
         kernels, a full-attention layer in one, fused input, q/k/v and gate/up projections."""
         from tandem_lit.rollout.static import kernels
@@ -297,7 +330,7 @@ class HybridDecoderModel:
                 delta = mixer.o(kernels.gated_attention(
                     *mixer.project(h), attention.q_norm.weight, attention.k_norm.weight, attention.q_norm.eps,
                     self.cos, self.sin, position, slot, self.k_cache[i], self.v_cache[i], valid,
-                    mixer.scaling, self.heads, self.kv_heads, self.head_dim,
+                    mixer.scaling, self.heads, self.kv_heads, self.head_dim, table=table,
                 ))
             norm = layer.post_attention_layernorm
             h = kernels.add_rms_norm(x, delta, norm.weight, norm.eps, one_plus=True)
@@ -306,7 +339,7 @@ class HybridDecoderModel:
         return self.lm_head(kernels.add_rms_norm(x, delta, self.final_norm.weight, self.final_norm.eps, one_plus=True))
 
     def _attend(self, i: int, layer: _AttentionLayer, h: Tensor, cos: Tensor, sin: Tensor, slot: Tensor,
-                mask: Tensor, kv_len: int) -> Tensor:
+                mask: Tensor, kv_len: int, paged: tuple[Tensor, Tensor] | None = None) -> Tensor:
         batch, d = h.shape[0], self.head_dim
         q, gate = layer.q(h).view(batch, self.heads, 2 * d).chunk(2, dim=-1)
         gate = gate.reshape(batch, self.heads * d)
@@ -316,11 +349,17 @@ class HybridDecoderModel:
         rot = cos.shape[-1]  # rotary on the first `rot` dimensions of each head only
         q = torch.cat([q[..., :rot] * cos + rotate_half(q[..., :rot]) * sin, q[..., rot:]], dim=-1)
         k = torch.cat([k[..., :rot] * cos + rotate_half(k[..., :rot]) * sin, k[..., rot:]], dim=-1)
-        k_cache, v_cache = self.k_cache[i][:batch], self.v_cache[i][:batch]
-        at_slot = slot.view(batch, 1, 1, 1).expand(batch, self.kv_heads, 1, d)  # each row its own slot
-        k_cache.scatter_(2, at_slot, k.unsqueeze(2))
-        v_cache.scatter_(2, at_slot, v.unsqueeze(2))
-        keys, values = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
+        if paged is None:
+            k_cache, v_cache = self.k_cache[i][:batch], self.v_cache[i][:batch]
+            at_slot = slot.view(batch, 1, 1, 1).expand(batch, self.kv_heads, 1, d)  # each row its own slot
+            k_cache.scatter_(2, at_slot, k.unsqueeze(2))
+            v_cache.scatter_(2, at_slot, v.unsqueeze(2))
+            keys, values = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
+        else:
+            table, at_page = paged
+            write_pages(self.k_cache[i], at_page, k)
+            write_pages(self.v_cache[i], at_page, v)
+            keys, values = read_pages(self.k_cache[i], table, kv_len), read_pages(self.v_cache[i], table, kv_len)
         group = self.heads // self.kv_heads
         q = q.view(batch, self.kv_heads, group, d)
         scores = torch.matmul(q, keys.transpose(-1, -2)) * layer.scaling + mask

@@ -80,10 +80,10 @@ def _norm_rope(x1, x2, w_ptr, offs, mask, half, d, eps, c1, c2, s1, s2, HAS_NORM
 @triton.jit
 def _rope_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, k_cache_ptr, v_cache_ptr, valid_ptr,
-    q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr,
-    heads, group, d, eps, scale, q_sb, k_sb, v_sb, cache_sb, cache_sh, cache_ss, valid_sb,
+    q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, table_ptr,
+    heads, group, d, eps, scale, q_sb, k_sb, v_sb, cache_sb, cache_sh, cache_ss, valid_sb, table_sb,
     HAS_NORM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -111,8 +111,12 @@ def _rope_attention_kernel(
     v_row = v_ptr + b * v_sb + kvh * d + offs
     v1 = tl.load(v_row, mask=mask, other=0.0)
     v2 = tl.load(v_row + half, mask=mask, other=0.0)
-    cache = b * cache_sb + kvh * cache_sh
-    new = cache + slot * cache_ss + offs
+    if PAGED:  # the pool [pages, KV, PAGE, D]: this row's slots through its block-table row
+        cache = kvh * cache_sh
+        new = tl.load(table_ptr + b * table_sb + slot // PAGE).to(tl.int64) * cache_sb + (slot % PAGE) * cache_ss + cache + offs
+    else:
+        cache = b * cache_sb + kvh * cache_sh
+        new = cache + slot * cache_ss + offs
     tl.store(k_cache_ptr + new, k1, mask=mask)
     tl.store(k_cache_ptr + new + half, k2, mask=mask)
     tl.store(v_cache_ptr + new, v1, mask=mask)
@@ -129,7 +133,11 @@ def _rope_attention_kernel(
         n = start + tl.arange(0, BLOCK_N)
         in_range = n < slot
         ok = in_range & (tl.load(valid_ptr + b * valid_sb + n, mask=in_range, other=0) != 0)
-        tile = n[:, None] * cache_ss + offs
+        if PAGED:
+            page = tl.load(table_ptr + b * table_sb + n // PAGE, mask=in_range, other=0).to(tl.int64)
+            tile = (page * cache_sb + (n % PAGE) * cache_ss)[:, None] + offs
+        else:
+            tile = n[:, None] * cache_ss + offs
         tile_mask = in_range[:, None] & mask
         kt1 = tl.load(keys + tile, mask=tile_mask, other=0.0)
         kt2 = tl.load(keys + tile + half, mask=tile_mask, other=0.0)
@@ -154,13 +162,16 @@ def rope_attention(
     q: Tensor, k: Tensor, v: Tensor, q_norm: Tensor | None, k_norm: Tensor | None, eps: float,
     cos: Tensor, sin: Tensor, position: Tensor, slot: Tensor, k_cache: Tensor, v_cache: Tensor, valid: Tensor,
     scale: float, heads: int, kv_heads: int, head_dim: int, block_n: int | None = None, num_warps: int | None = None,
-    num_stages: int = 2,
+    num_stages: int = 2, table: Tensor | None = None,
 ) -> Tensor:
     """One new token per sequence: (Qwen3) q/k norm, rotary, K/V written at ``slot``, then
     grouped-query attention over the valid cache slots [0, slot] — one kernel per layer.
 
     q [B, H*D], k/v [B, KV*D] (rows may be strided views of one fused projection), cos/sin
-    [S, D], position [B], slot [B] (each row's own), caches [Bcap, KV, S, D], valid [Bcap, S] bool -> [B, H*D]
+    [S, D], position [B], slot [B] (each row's own), caches [Bcap, KV, S, D], valid [Bcap, S] bool -> [B, H*D].
+    Paged: caches are pools [pages, KV, page_size, D] (the slot layout with positions cut into
+    pages) and ``table`` [Bcap, S / page_size] int32 maps each row's slot ``s`` to position
+    ``s % page_size`` of pool page ``table[row, s // page_size]``.
     """
     batch = q.shape[0]
     if block_n is None or num_warps is None:
@@ -173,11 +184,13 @@ def rope_attention(
     _rope_attention_kernel[(batch, kv_heads)](
         q, k, v, out, k_cache, v_cache, valid.view(torch.uint8),
         q_norm if has_norm else q, k_norm if has_norm else k, cos, sin, position, slot,
+        table if table is not None else slot,
         heads, group, head_dim, eps, scale, q.stride(0), k.stride(0), v.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), valid.stride(0),
-        HAS_NORM=has_norm, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        table.stride(0) if table is not None else 0, HAS_NORM=has_norm, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         HALF=max(16, triton.next_power_of_2(head_dim // 2)),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
+        PAGED=table is not None, PAGE=k_cache.shape[2] if table is not None else 1,
     )
     return out
 
@@ -408,9 +421,10 @@ def _norm_1p_partial_rope(rows, partner_rows, row_mask, w_ptr, offs, partner, d,
 @triton.jit
 def _gated_attention_kernel(
     qg_ptr, k_ptr, v_ptr, out_ptr, k_cache_ptr, v_cache_ptr, valid_ptr,
-    q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr,
-    heads, group, d, rot, eps, scale, qg_sb, k_sb, v_sb, cache_sb, cache_sh, cache_ss, valid_sb,
+    q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, table_ptr,
+    heads, group, d, rot, eps, scale, qg_sb, k_sb, v_sb, cache_sb, cache_sh, cache_ss, valid_sb, table_sb,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    PAGED: tl.constexpr, PAGE: tl.constexpr,
 ):
     """Qwen3.5's gated full attention for one (sequence, KV head) and its query group: q/k norms,
     partial rotary, the K/V cache write, attention over the valid slots (online softmax, seeded
@@ -437,9 +451,14 @@ def _gated_attention_kernel(
     k = _norm_1p_partial_rope(k_row + offs, k_row + partner, in_head, k_norm_ptr, offs, partner, d, rot, eps,
                               cos, sin, sign, dtype)
     v = tl.load(v_ptr + b * v_sb + kvh * d + offs, mask=in_head, other=0.0)
-    cache = b * cache_sb + kvh * cache_sh
-    tl.store(k_cache_ptr + cache + slot * cache_ss + offs, k, mask=in_head)
-    tl.store(v_cache_ptr + cache + slot * cache_ss + offs, v, mask=in_head)
+    if PAGED:  # the pool [pages, KV, PAGE, D]: this row's slots through its block-table row
+        cache = kvh * cache_sh
+        new = tl.load(table_ptr + b * table_sb + slot // PAGE).to(tl.int64) * cache_sb + (slot % PAGE) * cache_ss + cache
+    else:
+        cache = b * cache_sb + kvh * cache_sh
+        new = cache + slot * cache_ss
+    tl.store(k_cache_ptr + new + offs, k, mask=in_head)
+    tl.store(v_cache_ptr + new + offs, v, mask=in_head)
     m = tl.sum(q.to(tl.float32) * k.to(tl.float32), axis=1) * scale  # [G]
     l_sum = tl.full([BLOCK_G], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32) + v.to(tl.float32)
@@ -447,7 +466,11 @@ def _gated_attention_kernel(
         n = start + tl.arange(0, BLOCK_N)
         in_range = n < slot
         ok = in_range & (tl.load(valid_ptr + b * valid_sb + n, mask=in_range, other=0) != 0)
-        tile = cache + n[:, None] * cache_ss + offs
+        if PAGED:
+            page = tl.load(table_ptr + b * table_sb + n // PAGE, mask=in_range, other=0).to(tl.int64)
+            tile = cache + (page * cache_sb + (n % PAGE) * cache_ss)[:, None] + offs
+        else:
+            tile = cache + n[:, None] * cache_ss + offs
         tile_mask = in_range[:, None] & in_head
         kt = tl.load(k_cache_ptr + tile, mask=tile_mask, other=0.0)
         scores = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * scale
@@ -468,13 +491,14 @@ def _gated_attention_kernel(
 def gated_attention(
     q_and_gate: Tensor, k: Tensor, v: Tensor, q_norm: Tensor, k_norm: Tensor, eps: float, cos: Tensor, sin: Tensor,
     position: Tensor, slot: Tensor, k_cache: Tensor, v_cache: Tensor, valid: Tensor, scale: float, heads: int,
-    kv_heads: int, head_dim: int, block_n: int = 64, num_warps: int = 4,
+    kv_heads: int, head_dim: int, block_n: int = 64, num_warps: int = 4, table: Tensor | None = None,
 ) -> Tensor:
     """Qwen3.5's gated full-attention step (``hybrid.HybridDecoderModel``) in one kernel per layer.
 
     q_and_gate [B, H*2D] (q_proj's output: each head's query, then its gate), k/v [B, KV*D] (rows
     may be strided views of one fused projection), cos/sin [S, R] (rotary on the first R dims),
     position [B], slot [B] (each row's own), caches [Bcap, KV, S, D], valid [Bcap, S] bool -> [B, H*D], already gated.
+    Paged: pools [pages, KV, page_size, D] read through ``table`` (as in ``rope_attention``).
     """
     # tile size barely matters end to end (9B/2B batch-64 decode step 9.49 ms with block_n 32,
     # 9.57 ms with 64, H200); alone the kernel times 90-150 us in benchmarks/hybrid_kernels.py
@@ -483,11 +507,12 @@ def gated_attention(
     group = heads // kv_heads
     _gated_attention_kernel[(batch, kv_heads)](
         q_and_gate, k, v, out, k_cache, v_cache, valid.view(torch.uint8),
-        q_norm, k_norm, cos, sin, position, slot,
+        q_norm, k_norm, cos, sin, position, slot, table if table is not None else slot,
         heads, group, head_dim, cos.shape[-1], eps, scale, q_and_gate.stride(0), k.stride(0), v.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), valid.stride(0),
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        table.stride(0) if table is not None else 0, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         PRECISION="ieee" if q_and_gate.dtype == torch.float32 else "tf32", num_warps=num_warps,
+        PAGED=table is not None, PAGE=k_cache.shape[2] if table is not None else 1,
     )
     return out

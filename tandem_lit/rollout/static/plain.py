@@ -15,8 +15,12 @@ from tandem_lit.rollout.static.blocks import (
     eps_of,
     layer_cache,
     norm,
+    page_slots,
     prefill_with_cache,
+    read_pages,
     rotate_half,
+    write_pages,
+    write_prompt_pages,
 )
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # and Qwen3.5's hybrid attention: hybrid.py
@@ -76,8 +80,9 @@ class StaticDecoderModel:
         self.scaling = self.head_dim**-0.5
         weight = self.embed.weight
         self.device, self.dtype = weight.device, weight.dtype
-        self.k_cache: list[Tensor] = []
+        self.k_cache: list[Tensor] = []  # per layer: [B, KV, S, D] slots, or a [pages, KV, page_size, D] pool
         self.v_cache: list[Tensor] = []
+        self.page_size = 0  # 0: one cache row per decode row (slots); else the paged pool's page
         self.cos = self.sin = None
 
     @staticmethod
@@ -108,15 +113,20 @@ class StaticDecoderModel:
         for layer in self.layers:
             layer.sync()
 
-    def allocate(self, batch: int, length: int) -> None:
-        """Static caches for ``batch`` sequences of up to ``length`` tokens, and the rotary table."""
+    def kv_bytes_per_token(self) -> int:
+        return len(self.layers) * 2 * self.kv_heads * self.head_dim * self.dtype.itemsize
+
+    def allocate(self, batch: int, length: int, pages: int = 0, page_size: int = 0) -> None:
+        """Static caches for ``batch`` sequences of up to ``length`` tokens (``pages`` > 0: a paged
+        pool of that many pages instead, read through a block table), and the rotary table."""
         if self.sliding_window is not None and length > self.sliding_window:
             raise ConfigError(
                 f"sequences of {length} tokens exceed the model's sliding window ({self.sliding_window}); "
                 "FastEngine attends to the full context: use HFEngine"
             )
         self.free()  # the old caches go before the new ones are allocated
-        shape = (batch, self.kv_heads, length, self.head_dim)
+        self.page_size = page_size if pages else 0
+        shape = (pages if pages else batch, self.kv_heads, page_size if pages else length, self.head_dim)
         self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         probe = torch.zeros(1, 1, self.head_dim, dtype=self.dtype, device=self.device)
@@ -126,16 +136,23 @@ class StaticDecoderModel:
 
     def free(self) -> None:
         self.k_cache, self.v_cache = [], []
+        self.page_size = 0
         self.cos = self.sin = None
 
     @torch.no_grad()
-    def prefill(self, input_ids: Tensor, attention_mask: Tensor, rows: Tensor) -> Tensor:  # -> [B, V]
+    def prefill(self, input_ids: Tensor, attention_mask: Tensor, rows: Tensor,
+                placement: tuple[Tensor, Tensor] | None = None) -> Tensor:  # -> [B, V]
         """The model's own decoder stack over the prompts (left-padded among themselves), then its
-        LM head on the last position; keys/values land in cache ``rows`` at slots [0, P)."""
+        LM head on the last position; keys/values land in cache ``rows`` at slots [0, P), or, in a
+        paged pool, where ``placement`` puts them (``blocks.write_prompt_pages``)."""
         width = input_ids.shape[1]
         hidden, cache = prefill_with_cache(self.decoder_stack, self.config, input_ids, attention_mask)
         for i in range(len(self.layers)):
             keys, values = layer_cache(cache, i)
+            if placement is not None:
+                write_prompt_pages(self.k_cache[i], keys, placement)
+                write_prompt_pages(self.v_cache[i], values, placement)
+                continue
             self.k_cache[i][rows, :, :width] = keys
             self.v_cache[i][rows, :, :width] = values
         last = hidden[:, -1:]  # what ``logits_to_keep=1`` hands the LM head (bit-equal to HFEngine on CPU)
@@ -146,19 +163,24 @@ class StaticDecoderModel:
         return self.lm_head(last)[:, -1]
 
     def move_rows(self, sources: Tensor) -> None:
-        """Compaction: cache row ``i`` becomes row ``sources[i]``'s, for i < len(sources)."""
+        """Compaction: cache row ``i`` becomes row ``sources[i]``'s, for i < len(sources) (a paged
+        pool stays put: the block table rows move instead)."""
+        if self.page_size:
+            return
         for cache in (*self.k_cache, *self.v_cache):
             cache[: len(sources)] = cache[sources]
 
-    def decode(self, token: Tensor, position: Tensor, slot: Tensor, valid: Tensor, kv_len: int, triton: bool) -> Tensor:
+    def decode(self, token: Tensor, position: Tensor, slot: Tensor, valid: Tensor, kv_len: int, triton: bool,
+               table: Tensor | None = None) -> Tensor:
         """One token per sequence: write its K/V at its own ``slot``, attend to the valid slots up to it.
 
         token, position, slot: [B] long (each row its own cache slot: rows admitted at different
         steps sit at different depths); valid: [Bcap, S] bool -> logits [B, V]. The torch path
-        attends to slots [0, kv_len); the Triton path reads each row's bound from ``slot``.
+        attends to slots [0, kv_len); the Triton path reads each row's bound from ``slot``. With a
+        paged pool, ``table`` [Bcap, S / page_size] int32 maps each row's slots to pool pages.
         """
         if triton:
-            return self._decode_triton(token, position, slot, valid)
+            return self._decode_triton(token, position, slot, valid, table)
         batch = token.shape[0]
         valid = valid[:batch, :kv_len]
         x = self.embed.weight[token]  # [B, H]
@@ -168,6 +190,9 @@ class StaticDecoderModel:
         mask = mask[:, None, None, :]  # [B, 1, 1, kv_len]
         group = self.heads // self.kv_heads
         at_slot = slot.view(batch, 1, 1, 1).expand(batch, self.kv_heads, 1, self.head_dim)
+        if table is not None:
+            table = table[:batch]
+            at_page = page_slots(table, slot, self.page_size)
         for i, layer in enumerate(self.layers):
             h = norm(layer.input_norm, x)
             q = layer.q(h).view(batch, self.heads, self.head_dim)
@@ -177,10 +202,15 @@ class StaticDecoderModel:
                 q, k = norm(layer.q_norm, q), norm(layer.k_norm, k)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
-            k_cache, v_cache = self.k_cache[i][:batch], self.v_cache[i][:batch]
-            k_cache.scatter_(2, at_slot, k.unsqueeze(2))
-            v_cache.scatter_(2, at_slot, v.unsqueeze(2))
-            keys, values = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]  # [B, KV, S, D]
+            if table is None:
+                k_cache, v_cache = self.k_cache[i][:batch], self.v_cache[i][:batch]
+                k_cache.scatter_(2, at_slot, k.unsqueeze(2))
+                v_cache.scatter_(2, at_slot, v.unsqueeze(2))
+                keys, values = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]  # [B, KV, S, D]
+            else:
+                write_pages(self.k_cache[i], at_page, k)
+                write_pages(self.v_cache[i], at_page, v)
+                keys, values = read_pages(self.k_cache[i], table, kv_len), read_pages(self.v_cache[i], table, kv_len)
             q = q.view(batch, self.kv_heads, group, self.head_dim)
             scores = torch.matmul(q, keys.transpose(-1, -2)) * self.scaling + mask  # [B, KV, G, S]
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
@@ -190,7 +220,7 @@ class StaticDecoderModel:
             x = x + layer.down(F.silu(layer.gate(h)) * layer.up(h))
         return self.lm_head(norm(self.final_norm, x))
 
-    def _decode_triton(self, token: Tensor, position: Tensor, slot: Tensor, valid: Tensor) -> Tensor:
+    def _decode_triton(self, token: Tensor, position: Tensor, slot: Tensor, valid: Tensor, table: Tensor | None) -> Tensor:
         from tandem_lit.rollout.static import kernels
 
         x = self.embed.weight[token]  # [B, H], the residual stream (updated in place)
@@ -203,7 +233,7 @@ class StaticDecoderModel:
                 layer.k_norm.weight if layer.k_norm is not None else None,
                 eps_of(layer.q_norm) if layer.q_norm is not None else 0.0,
                 self.cos, self.sin, position, slot, self.k_cache[i], self.v_cache[i], valid,
-                self.scaling, self.heads, self.kv_heads, self.head_dim,
+                self.scaling, self.heads, self.kv_heads, self.head_dim, table=table,
             )
             delta = layer.o(attended)
             h = kernels.add_rms_norm(x, delta, layer.post_norm.weight, eps_of(layer.post_norm))

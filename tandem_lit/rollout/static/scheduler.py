@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections import deque
 
+from tandem_lit.rollout.static.paging import BlockManager
+
 
 def batch_ladder(capacity: int, step: int = 8) -> list[int]:
     """Batch sizes a decode step is captured for, ascending: 1, 2, 4, then multiples of ``step``
@@ -95,3 +97,90 @@ class SlotTable:
         for s in range(self.batch):
             self.bound[s] += steps
             self.left[s] -= steps
+
+
+class PagedSlotTable(SlotTable):
+    """A ``SlotTable`` whose sequences also hold pages of a paged KV pool (``paging.BlockManager``).
+
+    A queued sequence is admitted only when its prompt's pages are free (above the watermark);
+    before each chunk of ``steps`` decode steps, ``reserve`` gives every live sequence the pages
+    its next positions need, oldest first, preempting the newest sequences when none are free
+    (their pages freed, back to the front of the queue, to be recomputed from their prompts:
+    sampling is keyed by seed and position, so they reproduce themselves). ``changed`` holds
+    the slots whose table row the engine must rewrite before the next step.
+    """
+
+    def __init__(self, order: list[int], capacity: int, budgets: list[int], prompt_tokens: list[int],
+                 pages: BlockManager):
+        super().__init__(order, capacity, budgets)
+        self.prompt_tokens = prompt_tokens  # per sequence id: positions its prompt takes
+        self.pages = pages
+        self.admitted = [0] * capacity  # admission count of each slot's sequence: the newest is preempted first
+        self.admissions = 0
+        self.preemptions = 0
+        self.changed: set[int] = set()
+
+    def admit(self) -> tuple[list[int], list[int]]:
+        slots, taken = [], []
+        for slot in range(self.batch):
+            if not self.queue:
+                break
+            if self.held[slot] >= 0:
+                continue
+            sequence = self.queue[0]
+            if not self.pages.can_admit(self.prompt_tokens[sequence], alone=not self.live):
+                break  # first come, first served: nobody overtakes the head of the queue
+            self.queue.popleft()
+            self.pages.allocate(sequence, self.prompt_tokens[sequence])
+            self.held[slot], self.left[slot] = sequence, self.budgets[sequence]
+            self.admissions += 1
+            self.admitted[slot] = self.admissions
+            self.changed.add(slot)
+            slots.append(slot)
+            taken.append(sequence)
+        return slots, taken
+
+    def retire(self, finished: list[bool]) -> tuple[list[int], list[int]]:
+        slots, sequences = super().retire(finished)
+        for slot, sequence in zip(slots, sequences):
+            self.pages.release(sequence)
+            self.changed.add(slot)
+        return slots, sequences
+
+    def reserve(self, steps: int) -> list[int]:
+        """Pages for the next ``steps`` positions of every live sequence (up to its budget); the
+        slots whose sequence was preempted to make room (now empty, their sequences queued)."""
+        preempted: list[int] = []
+        for slot in sorted(self.live, key=lambda s: self.admitted[s]):
+            if self.held[slot] < 0:
+                continue  # preempted by an older sequence of this pass
+            tokens = self.bound[slot] + min(steps, self.left[slot]) + 1
+            while (added := self.pages.grow(self.held[slot], tokens)) is None:
+                victim = max(self.live, key=lambda s: self.admitted[s])
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim == slot:
+                    break
+            if added:
+                self.changed.add(slot)
+        return preempted
+
+    def _preempt(self, slot: int) -> None:
+        sequence = self.held[slot]
+        self.pages.release(sequence)
+        self.queue.appendleft(sequence)
+        self.held[slot] = -1
+        self.changed.add(slot)
+        self.preemptions += 1
+
+    def compact(self, size: int) -> list[int]:
+        sources = super().compact(size)
+        self.admitted = [self.admitted[s] for s in sources] + [0] * (self.capacity - len(sources))
+        self.changed = set(range(self.capacity))  # rows moved, and rows left behind must point nowhere
+        return sources
+
+    def page_rows(self) -> dict[int, list[int]]:
+        """The changed slots' pages (empty: the slot holds no sequence); clears ``changed``."""
+        rows = {s: list(self.pages.held[self.held[s]]) if self.held[s] >= 0 else [] for s in sorted(self.changed)}
+        self.changed.clear()
+        return rows
