@@ -225,10 +225,11 @@ class TandemModule(EvaluationSteps, L.LightningModule):
             prompts_per_step = getattr(getattr(trainer, "datamodule", None), "batch_size", 1)
         if mixed_precision is None:
             mixed_precision = "mixed" in str(getattr(trainer, "precision", "32"))
+        paged = getattr(self.engine, "kv_cache", None) == "paged"  # (VLLMEngine's kv_cache_gib is its own)
         return estimate_run_memory(
             self.senior, self.junior, self.reference is not None, getattr(self.engine, "rollout_dtype", "auto"),
             self.rollout_settings, self.update_settings, self.memory, prompts_per_step, mixed_precision, decode_dtype,
-            getattr(self.engine, "kv_cache_tokens", None), getattr(self.engine, "kv_cache_gib", None),
+            self.engine.kv_cache_tokens if paged else None, self.engine.kv_cache_gib if paged else None,
         )
 
     def configure_optimizers(self):
