@@ -194,7 +194,9 @@ def embeddings_in_float32() -> Iterator[None]:
 
 
 def hidden_states(model: nn.Module, inputs: dict, autocast: bool) -> tuple[Tensor, ...]:
-    with torch.no_grad(), torch.autocast(inputs["input_ids"].device.type, dtype=torch.bfloat16, enabled=autocast):
+    """Every layer's output, under bf16 autocast as the training forward runs it (or not)."""
+    device = inputs["input_ids"].device.type
+    with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16, enabled=autocast), logprobs.engine_matched_precision(model):
         return model.model(**inputs, output_hidden_states=True, use_cache=False).hidden_states
 
 
