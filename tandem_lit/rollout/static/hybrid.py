@@ -19,6 +19,12 @@ and the full-attention layers differ from Qwen3's by an output gate (``q_proj`` 
 sigmoid gate per head), rotary embeddings on the first quarter of each head only, and
 zero-centred RMSNorm weights (``x * (1 + w)``). The prompt is prefilled by the model's own
 Hugging Face forward, whose cache is then copied into the static buffers.
+
+A random Qwen3.5 carries any rounding difference through all its layers (a Qwen3 washes them out),
+so the decode step rounds where the training forward rounds under bf16 autocast over float32
+weights: the residual stream stays float32, norms and the delta rule compute in float32 and round
+once before a projection, and the rollout copy keeps ``A_log``, ``dt_bias`` and the norms' weights
+in float32 (``rollout.weights.keeps_float32``). Issue 26, ``benchmarks/logp_gap.py``.
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ fuse that swarm, so one layer runs 8 kernels (with fused q/k/v and gate/up weigh
   each head, the cache write, attention and the output gate, one kernel per layer.
 
 Numerics follow transformers' eager Llama/Qwen3 code (fp32 norms and softmax, rounding to the
-model dtype where it rounds); results agree to bf16 rounding, not bit for bit.
+model dtype where it rounds), and for Qwen3.5 its training forward under bf16 autocast (a float32
+residual stream, float32 norm weights; ``hybrid.py``); results agree to bf16 rounding, not bit for bit.
 """
 
 from __future__ import annotations
@@ -359,7 +360,8 @@ def _delta_rule_kernel(
 ):
     """A Gated DeltaNet layer's decode step after the convolution, for one (sequence, value head):
     L2-normalised q and k, the gate and beta, one read and one write of the [DK, DV] float32
-    state, then the gated RMSNorm of the output (rounding where transformers rounds)."""
+    state, then the gated RMSNorm of the output (rounding where transformers' forward rounds under
+    bf16 autocast)."""
     pid = tl.program_id(0)
     row, head = pid // heads, pid % heads
     key_head = head // group
