@@ -46,7 +46,6 @@ from tandem_lit.rollout.record import PromptBatch, Rollout  # noqa: E402
 from tandem_lit.rollout.sampling import SamplingConfig  # noqa: E402
 from tandem_lit.rollout.static import FastEngine  # noqa: E402
 from tandem_lit.rollout.static.engine import decoder_model  # noqa: E402
-from tandem_lit.rollout.weights import build_rollout_copy, load_named_tensors, rollout_named_tensors  # noqa: E402
 
 # config.json values of the architectures the configs train (benchmarks/train_step.py's SHAPES,
 # whose Qwen3.5-2B values are ASSUMED), and small ones for the CPU
@@ -99,13 +98,6 @@ def build(shape: str, overrides: dict, device: str, seed: int) -> nn.Module:
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
-def rollout_copy(model: nn.Module) -> nn.Module:
-    """The engine's bf16 copy (``rollout.weights``: decay gates and norms stay float32)."""
-    copy_ = build_rollout_copy(model, torch.bfloat16)
-    load_named_tensors(copy_, rollout_named_tensors(model))
-    return copy_
-
-
 def prompts(rows: int, vocab: int, shortest: int, longest: int, seed: int, device: str) -> PromptBatch:
     """Left-padded random prompts of lengths spread over [shortest, longest]."""
     g = torch.Generator().manual_seed(seed)
@@ -117,12 +109,14 @@ def prompts(rows: int, vocab: int, shortest: int, longest: int, seed: int, devic
 
 
 @torch.no_grad()
-def engine_rollout(copy_: nn.Module, batch: PromptBatch, sampling: SamplingConfig, kernels: str) -> Rollout:
-    engine = FastEngine(kernels=kernels, rollout_dtype="live")
-    engine.setup(copy_, None, NullTokenizer(copy_.config.vocab_size))
+def engine_rollout(model: nn.Module, batch: PromptBatch, sampling: SamplingConfig, kernels: str) -> tuple[Rollout, nn.Module]:
+    """FastEngine's rollouts of the float32 ``model`` as training runs it: decoded from the
+    engine's own bf16 rollout copy (fused projections sharing its storage), which is returned."""
+    engine = FastEngine(kernels=kernels, rollout_dtype="bfloat16")
+    engine.setup(model, None, NullTokenizer(model.config.vocab_size))
     rollout = engine.generate(batch, SoloHandoff("senior"), sampling)
     engine.release()
-    return rollout
+    return rollout, engine.senior
 
 
 @torch.no_grad()
@@ -247,10 +241,9 @@ def main() -> None:
                   args.device, args.seed)
     config = model.config
     hybrid = "linear_attention" in (getattr(config, "layer_types", None) or [])
-    copy_ = rollout_copy(model)
     batch = prompts(args.rows, config.vocab_size, *args.prompt_lengths, args.seed, args.device)
     sampling = SamplingConfig(temperature=args.temperature, max_new_tokens=args.tokens, ignore_eos=True, seed=args.seed)
-    rollout = engine_rollout(copy_, batch, sampling, args.kernels)
+    rollout, copy_ = engine_rollout(model, batch, sampling, args.kernels)
     triton = args.device == "cuda" and args.kernels != "torch"
     t = args.temperature
     print(f"# {args.shape} ({config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size}) "
