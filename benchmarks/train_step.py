@@ -424,15 +424,10 @@ def estimate_only(model_args: dict, trainer_args: dict, args, root: Path) -> Non
     print(f"estimate for {where}: {estimate.table()}")
     print(f"peak_gb={estimate.peak / GIB:.1f} fits_h200={estimate.peak <= 139 * GIB} devices={args.devices}")
     if args.devices > 1:  # what fit start refuses on several processes (distributed.check_several_processes)
-        rollout = module.rollout_settings
-        blockers = [f"--model.init_args.rollout.{name} null" for name in ("max_prompt_tokens", "dynamic_sampling")
-                    if getattr(rollout, name) is not None]
         try:
             rank_rows(args.prompts, args.devices, 0, module.update_settings.mini_batch_size)
         except ValueError:
-            blockers.append(f"mini-batches of prompts that split over {args.devices} ranks")
-        if blockers:
-            print(f"needs on {args.devices} processes: {', '.join(blockers)}")
+            print(f"needs on {args.devices} processes: PPO mini-batches of prompts that split over {args.devices} ranks")
 
 
 def main() -> None:
