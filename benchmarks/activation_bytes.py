@@ -93,6 +93,9 @@ def measure(name: str, config, tokens: int, lora: int) -> dict[str, float]:
 
 
 def main() -> None:
+    from tandem_lit.rollout.logprobs import float32_delta_rule
+
+    float32_delta_rule()  # the update's forward: Qwen3.5's delta rule without autocast (issue 26)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["qwen35-9b", "qwen3-4b"], choices=sorted(MODELS))
     parser.add_argument("--tokens", type=int, default=2048)

@@ -408,16 +408,26 @@ def run_arm(arm: str, model_args: dict, trainer_args: dict, args, root: Path, ba
 
 
 def estimate_only(model_args: dict, trainer_args: dict, args, root: Path) -> None:
-    """The memory estimate of the config's step on a GPU, from shapes alone (models on the meta
-    device, rollouts in bf16 as on a GPU)."""
+    """The memory estimate of the config's step on each GPU, from shapes alone (models on the meta
+    device, rollouts in bf16 as on a GPU); with ``--devices N`` the senior sharded by FSDP2 over N
+    GPUs, each rolling out its share of the prompts (``memory.estimate_step_memory``)."""
+    from tandem_lit.training.distributed import rank_rows
+
     with torch.device("meta"):
         module = build_module(model_args, "tandem", args, root)
         module.configure_model()
     estimate = module.memory_estimate(
-        prompts_per_step=args.prompts, mixed_precision="mixed" in str(trainer_args.get("precision")), decode_dtype=torch.bfloat16,
+        prompts_per_step=args.prompts, mixed_precision="mixed" in str(trainer_args.get("precision")),
+        decode_dtype=torch.bfloat16, world=args.devices,
     )
-    print(f"estimate: {estimate.table()}")
-    print(f"peak_gb={estimate.peak / GIB:.1f} fits_h200={estimate.peak <= 139 * GIB}")
+    where = f"each of {args.devices} GPUs (FSDP2)" if args.devices > 1 else "one GPU"
+    print(f"estimate for {where}: {estimate.table()}")
+    print(f"peak_gb={estimate.peak / GIB:.1f} fits_h200={estimate.peak <= 139 * GIB} devices={args.devices}")
+    if args.devices > 1:  # what fit start refuses on several processes (distributed.check_several_processes)
+        try:
+            rank_rows(args.prompts, args.devices, 0, module.update_settings.mini_batch_size)
+        except ValueError:
+            print(f"needs on {args.devices} processes: PPO mini-batches of prompts that split over {args.devices} ranks")
 
 
 def main() -> None:

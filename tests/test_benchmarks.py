@@ -79,6 +79,23 @@ def test_activation_bytes_counts_what_each_layer_type_saves(repo_root, monkeypat
     assert long["estimate"] == short["estimate"] > 0
 
 
+def test_logp_gap_benchmark_tiny(repo_root, tmp_path):
+    """benchmarks/logp_gap.py (issue 26) on a tiny Qwen3.5 on the CPU: every score is made, the
+    engine's teacher-forced decode step reproduces its own log-probs, and the training forward is
+    closer to the engine than it was without this issue's changes."""
+    out = tmp_path / "gap.json"
+    subprocess.run(
+        [sys.executable, "benchmarks/logp_gap.py", "--shape", "tiny-qwen35", "--rows", "2", "--tokens", "96",
+         "--threads", "1", "--json", str(out)],
+        cwd=repo_root, check=True, timeout=300,
+    )
+    gaps = json.loads(out.read_text())["gaps"]
+    assert set(gaps) == {"engine", "engine-tf", "train", "fp32", "hf-bf16", "train[embeddings fp32]",
+                         "train[delta rule autocast]", "train[both]"}
+    assert gaps["engine-tf"]["engine"][1] < 1e-5
+    assert 0 < gaps["train"]["engine"][0] < gaps["train[both]"]["engine"][0]
+
+
 def test_rollout_benchmark_long_tailed_lengths_tiny(repo_root):
     """Static vs continuous batching on lognormal budgets: both rows run every sequence to exactly
     its budget (the script asserts it) and the ratio line is printed."""

@@ -102,6 +102,44 @@ def test_hybrid_layers_count_what_their_torch_fallback_saves():
         assert ModelShape.of(AutoModelForCausalLM.from_config(plain)).layer_factors == ()
 
 
+def test_fsdp2_shards_the_training_state_and_counts_the_weight_sync():
+    """On W ranks each holds 1/W of the float32 weights, gradients and AdamW state, and the whole
+    rollout copy, junior and its own share of the KV caches; FSDP2's gathered units (root +
+    two layers, bf16) replace autocast's weight cache, and the weight sync gathers the senior."""
+    shape = ModelShape(**{**vars(QWEN3_4B), "root_params": 151_936 * 2560})
+    settings = StepSettings(rollout_sequences=32, sequence_tokens=4024, micro_batch_tokens=8048, rollout_bytes=2,
+                            rollout_copy=True)
+    one = estimate_step_memory(shape, None, settings)
+    assert not one.sync and one.peak == max(sum(one.rollout.values()), sum(one.update.values()))
+    two = estimate_step_memory(shape, None, StepSettings(**{**vars(settings), "world": 2}))
+    for part in ("senior weights", "optimizer state"):
+        assert two.rollout[part] == one.rollout[part] // 2
+    assert two.update["gradients"] == one.update["gradients"] // 2
+    assert two.rollout["rollout copy"] == one.rollout["rollout copy"] and two.update["activations"] == one.update["activations"]
+    assert two.update["autocast weight cache"] == 0
+    layer = (shape.params - shape.root_params) // shape.layers
+    assert two.update["gathered layers"] == (shape.root_params + 2 * layer) * 2
+    assert two.sync["gathered senior"] == shape.params * 2 and two.sync["rollout copy"] == shape.params * 2
+    assert "weight sync" in two.table() and two.peak < one.peak
+
+
+def test_the_estimate_per_rank_rolls_out_its_share_of_the_prompts():
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    config = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=256, tie_word_embeddings=False)
+    with torch.device("meta"):
+        shape = ModelShape.of(AutoModelForCausalLM.from_config(config))
+    assert shape.root_params == 2 * 256 * 64  # embeddings and the untied head
+    module = tiny_tandem_module(
+        verifier=SpaceVerifier(), objective=GRPO(), sampling=SamplingConfig(n=4, max_new_tokens=100),
+        max_prompt_tokens=28, rollout_batch_size=64,
+    )
+    module.configure_model()
+    one, two = (module.memory_estimate(prompts_per_step=4, world=w) for w in (1, 2))
+    assert two.rollout["KV caches"] * 2 == one.rollout["KV caches"]  # 8 of the 16 rollouts per rank
+
+
 def test_a_step_that_cannot_fit_names_the_settings_to_change():
     settings = StepSettings(rollout_sequences=192, sequence_tokens=4024, micro_batch_tokens=64 * 4024, rollout_bytes=2, rollout_copy=True)
     estimate = estimate_step_memory(QWEN3_4B, None, settings)

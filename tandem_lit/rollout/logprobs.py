@@ -19,8 +19,10 @@ place of the chunks (``models.liger.liger_logprobs``): the same log-probs to bf1
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
@@ -54,6 +56,72 @@ def avoid_cudnn_attention_backward() -> None:
         log.info("cuDNN attention disabled for training (NaN gradients with padding masks: pytorch#196678)")
 
 
+@contextlib.contextmanager
+def engine_matched_precision(model: nn.Module) -> Iterator[None]:
+    """The training forward's mixed precision where it would part from FastEngine's bf16 decode
+    for no reason: the embeddings as the engine reads them, and Qwen3.5's delta rule in float32
+    as the engine runs its recurrence (issue 26: the rollout-vs-train log-prob gap)."""
+    if has_linear_attention(model):
+        float32_delta_rule()
+    with embeddings_at_compute_precision(model):
+        yield
+
+
+@contextlib.contextmanager
+def embeddings_at_compute_precision(model: nn.Module) -> Iterator[None]:
+    """Under low-precision autocast, the input embeddings rounded to its dtype (and kept float32).
+
+    Autocast rounds every weight a matmul reads to bf16, but an embedding lookup is no matmul: the
+    training forward would read the float32 master rows while the engine decodes from its bf16
+    copy's. On a random Qwen3.5-9B shape that one difference is a fifth of the rollout-vs-train
+    log-prob gap (issue 26, benchmarks/logp_gap.py); FSDP2's bf16 compute gathers the rows in bf16
+    anyway. The residual stream stays float32, as autocast keeps it."""
+
+    def rounded(module, args, out: Tensor) -> Tensor | None:
+        device = out.device.type
+        if out.dtype == torch.float32 and torch.is_autocast_enabled(device):
+            return out.to(torch.get_autocast_dtype(device)).float()
+        return None
+
+    handle = plain_model(model).get_input_embeddings().register_forward_hook(rounded)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def float32_delta_rule() -> None:
+    """Run transformers' chunked gated delta rule (Qwen3.5's linear attention, torch path) with
+    autocast off, in every process that trains such a model; idempotent.
+
+    The rule casts its inputs to float32 itself, but under bf16 autocast each of its matmuls
+    rounds to bf16 again, while FastEngine's recurrence runs in float32 (its state, decay and
+    delta update): the two sides then drift apart layer after layer. With the embeddings matched
+    too (``embeddings_at_compute_precision``) this halves the engine-vs-train gap of a random
+    32-layer Qwen3.5 (benchmarks/logp_gap.py, issue 26). Process-wide, not a context: activation
+    checkpointing recomputes the forward inside backward, which must compute what the forward did.
+    Under no autocast (the engine's prefill, float32 training) it changes nothing."""
+    try:
+        from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen35
+    except ImportError:  # a transformers without Qwen3.5
+        return
+    rule = qwen35.torch_chunk_gated_delta_rule
+    if getattr(rule, "autocast_off", False):
+        return
+
+    @functools.wraps(rule)
+    def rule_without_autocast(query: Tensor, *args, **kwargs):
+        with torch.autocast(query.device.type, enabled=False):
+            return rule(query, *args, **kwargs)
+
+    rule_without_autocast.autocast_off = True
+    qwen35.torch_chunk_gated_delta_rule = rule_without_autocast
+
+
+def has_linear_attention(model: nn.Module) -> bool:
+    return "linear_attention" in (getattr(plain_model(model).config, "layer_types", None) or [])
+
+
 def last_hidden_state(model: nn.Module, **inputs) -> Tensor:
     """The backbone's last hidden state (no vocabulary projection)."""
     return plain_model(model).base_model(**inputs).last_hidden_state
@@ -69,7 +137,8 @@ def completion_hidden_states(model: nn.Module, rollout: Rollout) -> Tensor:  # -
     # (FSDP: ``shard_model`` registers this as a forward of the root unit, so that its shards,
     # embeddings and head, are gathered for it and their gradients reduced after backward)
     forward = getattr(model, "completion_hidden", None) or functools.partial(last_hidden_state, model)
-    hidden = forward(input_ids=ids, attention_mask=mask, position_ids=positions)
+    with engine_matched_precision(model):
+        hidden = forward(input_ids=ids, attention_mask=mask, position_ids=positions)
     return hidden[:, -width - 1 : -1]
 
 
@@ -82,7 +151,7 @@ def check_packable(model: nn.Module) -> None:
             f"memory.pack_sequences needs an attention implementation that separates packed sequences "
             f"({', '.join(sorted(PACKED_ATTENTION))}); this model uses {attention!r}: set pack_sequences: false"
         )
-    if "linear_attention" in (getattr(config, "layer_types", None) or []):
+    if has_linear_attention(model):
         raise ConfigError(
             "memory.pack_sequences: this model has linear-attention layers (Gated DeltaNet), whose state "
             "would run from one packed sequence into the next: set pack_sequences: false"
@@ -104,7 +173,8 @@ def packed_hidden_states(model: nn.Module, rollout: Rollout) -> Tensor:  # -> [C
     forward = getattr(model, "completion_hidden", None) or functools.partial(last_hidden_state, model)
     # no cache: transformers reads restarting position ids as packed sequences only without one
     # (masking_utils._preprocess_mask_arguments), and config.use_cache would make one
-    hidden = forward(input_ids=ids[real].unsqueeze(0), position_ids=positions[real].unsqueeze(0), use_cache=False)
+    with engine_matched_precision(model):
+        hidden = forward(input_ids=ids[real].unsqueeze(0), position_ids=positions[real].unsqueeze(0), use_cache=False)
     return hidden[0, predictors]
 
 

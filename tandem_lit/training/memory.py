@@ -11,7 +11,14 @@ so the peak is the larger phase, not their sum. ``estimate_step_memory`` adds th
 the models' shapes and the run's settings; ``MemoryEstimate.check`` fails before the first step
 with what does not fit and which setting to change, instead of an out-of-memory trace mid-run.
 With a paged engine the KV caches are its pool, and ``plan_kv_pool`` sizes a pool the run left
-unsized to what fits. The activation model is deliberately simple (saved tensors of a Llama-family block under bf16
+unsized to what fits. On W ranks (FSDP2, ``StepSettings.world``) the senior's float32 weights,
+gradients and optimizer state are split W ways; every rank still holds the full bf16 rollout
+copy, the junior, the KV caches of its own share of the rollouts and the activations of its
+micro-batches, plus the layers FSDP gathers for compute (the root unit, embeddings and head,
+stays gathered from forward to backward; one or two decoder layers at a time). A third moment
+counts then: the weight sync before the rollouts gathers the whole senior at once
+(``weights.gathered``) next to the rollout copy. The activation model is deliberately simple
+(saved tensors of a Llama-family block under bf16
 autocast, counted per token; a hybrid model's layers weighted by what they were measured to save,
 ``HYBRID_LAYER_FACTORS``); ``benchmarks/train_step.py`` prints it next to the measured peak and
 ``benchmarks/activation_bytes.py`` measures a layer's saved bytes against it.
@@ -54,6 +61,7 @@ class ModelShape:
     q_width: int  # attention heads x head_dim
     kv_width: int  # key/value heads x head_dim
     layer_factors: tuple[float, ...] = ()  # per layer, saved bytes over a Llama block's (empty: all 1)
+    root_params: int = 0  # outside the decoder layers: embeddings and head (FSDP2's root unit)
 
     @classmethod
     def of(cls, model: nn.Module) -> ModelShape:
@@ -62,6 +70,8 @@ class ModelShape:
         params = list(base.parameters())
         trainable = [p for p in params if p.requires_grad]
         frozen = [p for p in params if not p.requires_grad]
+        ends = {id(p): p for m in (base.get_input_embeddings(), base.get_output_embeddings()) if m is not None
+                for p in m.parameters()}
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         return cls(
@@ -75,6 +85,7 @@ class ModelShape:
             q_width=heads * head_dim,
             kv_width=(getattr(config, "num_key_value_heads", None) or heads) * head_dim,
             layer_factors=hybrid_layer_factors(config),
+            root_params=sum(p.numel() for p in ends.values()),
         )
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
@@ -120,12 +131,14 @@ class StepSettings:
     optimizer_states: int = 2  # AdamW: exp_avg and exp_avg_sq, in the trainable dtype
     reference_copy: bool = False  # a frozen copy of the senior for the KL term
     kv_pool_tokens: int | None = None  # a paged engine's pool (positions); None: slot caches, sequences x tokens
+    world: int = 1  # ranks the senior is sharded over (FSDP2); the other parts are per rank
 
 
 @dataclass
 class MemoryEstimate:
     rollout: dict[str, int] = field(default_factory=dict)
     update: dict[str, int] = field(default_factory=dict)
+    sync: dict[str, int] = field(default_factory=dict)  # FSDP2: the whole senior gathered for the weight sync
     kv_bytes_per_token: int = 0  # both models' K/V of one token position
 
     def kv_tokens_that_fit(self, capacity: int) -> int:
@@ -136,14 +149,17 @@ class MemoryEstimate:
 
     @property
     def peak(self) -> int:
-        return max(sum(self.rollout.values()), sum(self.update.values()))
+        return max(sum(self.rollout.values()), sum(self.update.values()), sum(self.sync.values()))
 
     def table(self) -> str:
         def phase(name: str, parts: dict[str, int]) -> str:
             items = ", ".join(f"{k} {v / GIB:.1f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v)
             return f"{name} {sum(parts.values()) / GIB:.1f} GiB ({items})"
 
-        return f"{phase('rollout', self.rollout)}; {phase('update', self.update)}"
+        phases = [phase("rollout", self.rollout), phase("update", self.update)]
+        if self.sync:
+            phases.append(phase("weight sync", self.sync))
+        return "; ".join(phases)
 
     def check(self, capacity: int, device: str = "the GPU") -> None:
         if self.peak <= capacity:
@@ -154,6 +170,8 @@ class MemoryEstimate:
             fixes.append("lower rollout_batch_size (KV caches grow with it), set offload_optimizer: true, or train LoRA adapters")
         if update > capacity:
             fixes.append("lower micro_batch_tokens / micro_batch_size, set gradient_checkpointing: true, or train LoRA adapters")
+        if sum(self.sync.values()) > capacity:
+            fixes.append("the weight sync gathers the whole senior: set offload_optimizer: true, train LoRA adapters, or shard over more GPUs")
         raise MemoryBudgetError(
             f"a training step needs about {self.peak / GIB:.0f} GiB, {device} has {capacity / GIB:.0f} GiB: "
             f"{self.table()}. To fit: {'; '.join(fixes)} (or memory.check: false to try anyway)"
@@ -162,8 +180,9 @@ class MemoryEstimate:
 
 def estimate_step_memory(senior: ModelShape, junior: ModelShape | None, settings: StepSettings) -> MemoryEstimate:
     s = settings
-    weights = senior.weight_bytes()
-    state = senior.trainable * senior.trainable_bytes * s.optimizer_states
+    shards = s.world
+    weights = senior.weight_bytes() // shards
+    state = senior.trainable * senior.trainable_bytes * s.optimizer_states // shards
     common = {
         "senior weights": weights,
         "rollout copy": senior.params * s.rollout_bytes if s.rollout_copy else 0,
@@ -179,14 +198,24 @@ def estimate_step_memory(senior: ModelShape, junior: ModelShape | None, settings
     update = dict(
         common,
         **{
-            "gradients": senior.trainable * senior.trainable_bytes,
+            "gradients": senior.trainable * senior.trainable_bytes // shards,
             "optimizer state": state,
             "activations": activations + LOGIT_CHUNK_BYTES,
-            # autocast keeps a bf16 cast of every trainable weight for the backward pass
-            "autocast weight cache": senior.trainable * 2 if s.mixed_precision and senior.trainable_bytes > 2 else 0,
+            # autocast keeps a bf16 cast of every trainable weight for the backward pass (under
+            # FSDP2 the gathered parameters are bf16 already: nothing to cast)
+            "autocast weight cache": senior.trainable * 2 if s.mixed_precision and senior.trainable_bytes > 2 and shards == 1 else 0,
         },
     )
-    return MemoryEstimate(rollout=rollout, update=update, kv_bytes_per_token=per_token)
+    if shards == 1:
+        return MemoryEstimate(rollout=rollout, update=update, kv_bytes_per_token=per_token)
+    # FSDP2 gathers in the compute dtype: the root unit from forward to backward, a layer and the
+    # next one (prefetched) at a time; the weight sync gathers every unit at once
+    gathered_bytes = 2 if s.mixed_precision else senior.param_bytes
+    layer = (senior.params - senior.root_params) // max(senior.layers, 1)
+    update["gathered layers"] = (senior.root_params + 2 * layer) * gathered_bytes
+    sync = dict(common, **{"gathered senior": senior.params * gathered_bytes,
+                           "optimizer state": 0 if s.offload_optimizer else state})
+    return MemoryEstimate(rollout=rollout, update=update, sync=sync, kv_bytes_per_token=per_token)
 
 
 def plan_kv_pool(engine, estimate: MemoryEstimate, capacity: int) -> str | None:
@@ -299,12 +328,13 @@ class OptimizerOffload:
 def estimate_run_memory(
     senior: nn.Module, junior: nn.Module | None, reference_copy: bool, requested_dtype: str, rollout, update, memory,
     prompts_per_step: int, mixed_precision: bool, decode_dtype: torch.dtype | None = None,
-    kv_pool_tokens: int | None = None, kv_pool_gib: float | None = None,
+    kv_pool_tokens: int | None = None, kv_pool_gib: float | None = None, world: int = 1,
 ) -> MemoryEstimate:
-    """A training step's memory from the models' shapes and a run's settings (``RolloutSettings``,
-    ``UpdateSettings``, ``MemorySettings``); ``decode_dtype`` defaults to the engine's rollout
-    dtype (``requested_dtype``) here: pass bf16 to size a GPU run elsewhere. A paged engine's
-    pool counts as sized (``kv_pool_tokens`` positions, or ``kv_pool_gib``), else as slot caches."""
+    """A training step's memory, per GPU, from the models' shapes and a run's settings
+    (``RolloutSettings``, ``UpdateSettings``, ``MemorySettings``); ``decode_dtype`` defaults to the
+    engine's rollout dtype (``requested_dtype``) here: pass bf16 to size a GPU run elsewhere. A paged
+    engine's pool counts as sized (``kv_pool_tokens`` positions, or ``kv_pool_gib``), else as slot
+    caches. ``world``: ranks under FSDP2, each rolling out ``prompts_per_step / world`` prompts."""
     from tandem_lit.rollout.weights import needs_copy, rollout_dtype
 
     if decode_dtype is None and requested_dtype != "live":
@@ -313,7 +343,7 @@ def estimate_run_memory(
     senior_shape = ModelShape.of(senior)
     junior_shape = ModelShape.of(junior) if junior is not None else None
     n = rollout.sampling.n
-    step_rollouts = prompts_per_step * n
+    step_rollouts = max(1, prompts_per_step // world) * n  # this rank's share
     per_call = max(1, (rollout.batch_size or step_rollouts) // n) * n
     sequence_tokens = (rollout.max_prompt_tokens or 512) + rollout.sampling.max_new_tokens
     micro_tokens = update.micro_batch_size * sequence_tokens
@@ -331,6 +361,7 @@ def estimate_run_memory(
         offload_optimizer=memory.offload_optimizer,
         reference_copy=reference_copy,
         kv_pool_tokens=kv_pool_tokens,
+        world=world,
     )
     estimate = estimate_step_memory(senior_shape, junior_shape, settings)
     if kv_pool_gib is not None:

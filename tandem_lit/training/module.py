@@ -217,19 +217,23 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         return self.engine
 
     def memory_estimate(self, prompts_per_step: int | None = None, mixed_precision: bool | None = None,
-                        decode_dtype: torch.dtype | None = None):
-        """The step's memory from the models' shapes and this run's settings; ``prompts_per_step``
-        and ``mixed_precision`` default to the data module's and trainer's (``estimate_run_memory``)."""
+                        decode_dtype: torch.dtype | None = None, world: int | None = None):
+        """The step's memory per GPU from the models' shapes and this run's settings;
+        ``prompts_per_step``, ``mixed_precision`` and ``world`` (FSDP2 ranks) default to the data
+        module's and trainer's (``estimate_run_memory``)."""
         trainer = self._trainer
         if prompts_per_step is None:
             prompts_per_step = getattr(getattr(trainer, "datamodule", None), "batch_size", 1)
         if mixed_precision is None:
             mixed_precision = "mixed" in str(getattr(trainer, "precision", "32"))
+        if world is None:
+            world = getattr(trainer, "world_size", 1)
         paged = getattr(self.engine, "kv_cache", None) == "paged"  # (VLLMEngine's kv_cache_gib is its own)
         return estimate_run_memory(
             self.senior, self.junior, self.reference is not None, getattr(self.engine, "rollout_dtype", "auto"),
             self.rollout_settings, self.update_settings, self.memory, prompts_per_step, mixed_precision, decode_dtype,
             self.engine.kv_cache_tokens if paged else None, self.engine.kv_cache_gib if paged else None,
+            world=world,
         )
 
     def configure_optimizers(self):

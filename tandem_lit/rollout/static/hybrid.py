@@ -19,6 +19,12 @@ and the full-attention layers differ from Qwen3's by an output gate (``q_proj`` 
 sigmoid gate per head), rotary embeddings on the first quarter of each head only, and
 zero-centred RMSNorm weights (``x * (1 + w)``). The prompt is prefilled by the model's own
 Hugging Face forward, whose cache is then copied into the static buffers.
+
+A random Qwen3.5 carries any rounding difference through all its layers (a Qwen3 washes them out),
+so the decode step rounds where the training forward rounds under bf16 autocast over float32
+weights: the residual stream stays float32, norms and the delta rule compute in float32 and round
+once before a projection, and the rollout copy keeps ``A_log``, ``dt_bias`` and the norms' weights
+in float32 (``rollout.weights.keeps_float32``). Issue 26, ``benchmarks/logp_gap.py``.
 """
 
 from __future__ import annotations
@@ -43,11 +49,12 @@ from tandem_lit.rollout.static.blocks import (
 HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 
 
-def _norm_1p(module: nn.Module, x: Tensor) -> Tensor:
-    """Qwen3.5's zero-centred RMSNorm: normalise in float32, scale by (1 + w), cast back."""
+def _norm_1p(module: nn.Module, x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """Qwen3.5's zero-centred RMSNorm: normalise in float32, scale by (1 + w), cast to ``dtype``
+    (default: x's)."""
     out = x.float()
     out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + module.eps)
-    return (out * (1.0 + module.weight.float())).to(x.dtype)
+    return (out * (1.0 + module.weight.float())).to(dtype or x.dtype)
 
 
 def _l2norm(x: Tensor) -> Tensor:
@@ -107,7 +114,9 @@ class _DeltaLayer:
         # the short causal convolution over the last K inputs, this one included
         window = torch.cat([conv_state[:, :, 1:], self.qkv(h).unsqueeze(-1)], dim=-1)
         conv_state.copy_(window)
-        mixed = F.silu((window * self.conv_weight.squeeze(1)).sum(-1))  # [B, conv_dim]
+        # accumulated in float32 and rounded once, as conv1d (training) and the Triton kernel do
+        conv = (window.float() * self.conv_weight.squeeze(1).float()).sum(-1).to(h.dtype)
+        mixed = F.silu(conv)  # [B, conv_dim]
         q, k, v = mixed.split([self.key_size, self.key_size, self.v_heads * self.v_dim], dim=-1)
         q = _l2norm(q.view(batch, self.k_heads, self.k_dim).float()) * self.k_dim**-0.5
         k = _l2norm(k.view(batch, self.k_heads, self.k_dim).float())
@@ -127,7 +136,7 @@ class _DeltaLayer:
         out = out.to(h.dtype)  # the model casts the recurrence's output to its dtype before the norm
         z = self.z(h).view(batch, self.v_heads, self.v_dim)
         normed = out.float() * torch.rsqrt(out.float().pow(2).mean(-1, keepdim=True) + m.norm.variance_epsilon)
-        normed = m.norm.weight * normed.to(h.dtype)
+        normed = m.norm.weight.float() * normed.to(h.dtype).float()  # float32, as autocast over float32 weights
         gated = (normed * F.silu(z.float())).to(h.dtype)
         return self.out(gated.reshape(batch, self.v_heads * self.v_dim))
 
@@ -293,7 +302,10 @@ class HybridDecoderModel:
         (through ``table`` into a paged pool, if given); linear-attention layers advance their
         states. ``triton``: the recurrence as one Triton kernel (GPU)."""
         batch = token.shape[0]
-        x = self.embed.weight[token]
+        # the residual stream in float32 (the embedding and every layer's bf16 output added in
+        # float32), as the training forward keeps it under bf16 autocast; each norm's output is
+        # rounded to the model dtype for the projections, as autocast rounds their inputs
+        x = self.embed.weight[token].float()
         if table is not None:
             table = table[:batch]
         if triton:
@@ -305,14 +317,14 @@ class HybridDecoderModel:
         cos, sin = self.cos[position].unsqueeze(1), self.sin[position].unsqueeze(1)  # [B, 1, rot]
         paged = (table, page_slots(table, slot, self.page_size)) if table is not None else None
         for i, (layer, mixer, (gate, up, down)) in enumerate(self.blocks):
-            h = _norm_1p(layer.input_layernorm, x)
+            h = _norm_1p(layer.input_layernorm, x, self.dtype)
             if isinstance(mixer, _DeltaLayer):
                 x = x + mixer.step(h)
             else:
                 x = x + self._attend(i, mixer, h, cos, sin, slot, mask, kv_len, paged)
-            h = _norm_1p(layer.post_attention_layernorm, x)
+            h = _norm_1p(layer.post_attention_layernorm, x, self.dtype)
             x = x + down(F.silu(gate(h)) * up(h))
-        return self.lm_head(_norm_1p(self.final_norm, x))
+        return self.lm_head(_norm_1p(self.final_norm, x, self.dtype))
 
     def _decode_fused(self, x: Tensor, position: Tensor, slot: Tensor, valid: Tensor, table: Tensor | None) -> Tensor:
         """The GPU step: residual adds fused into the norms, a linear-attention layer in two Triton
@@ -322,7 +334,7 @@ class HybridDecoderModel:
         delta = None
         for i, (layer, mixer, (gate, up, down)) in enumerate(self.blocks):
             norm = layer.input_layernorm
-            h = kernels.add_rms_norm(x, delta, norm.weight, norm.eps, one_plus=True)
+            h = kernels.add_rms_norm(x, delta, norm.weight, norm.eps, one_plus=True, out_dtype=self.dtype)
             if isinstance(mixer, _DeltaLayer):
                 delta = mixer.step_fused(h)
             else:
@@ -333,10 +345,11 @@ class HybridDecoderModel:
                     mixer.scaling, self.heads, self.kv_heads, self.head_dim, table=table,
                 ))
             norm = layer.post_attention_layernorm
-            h = kernels.add_rms_norm(x, delta, norm.weight, norm.eps, one_plus=True)
+            h = kernels.add_rms_norm(x, delta, norm.weight, norm.eps, one_plus=True, out_dtype=self.dtype)
             gated, upped = self.gate_up[i](h) if i in self.gate_up else (gate(h), up(h))
             delta = down(kernels.silu_mul(gated, upped))
-        return self.lm_head(kernels.add_rms_norm(x, delta, self.final_norm.weight, self.final_norm.eps, one_plus=True))
+        final = self.final_norm
+        return self.lm_head(kernels.add_rms_norm(x, delta, final.weight, final.eps, one_plus=True, out_dtype=self.dtype))
 
     def _attend(self, i: int, layer: _AttentionLayer, h: Tensor, cos: Tensor, sin: Tensor, slot: Tensor,
                 mask: Tensor, kv_len: int, paged: tuple[Tensor, Tensor] | None = None) -> Tensor:

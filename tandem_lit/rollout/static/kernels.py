@@ -20,7 +20,8 @@ fuse that swarm, so one layer runs 8 kernels (with fused q/k/v and gate/up weigh
   each head, the cache write, attention and the output gate, one kernel per layer.
 
 Numerics follow transformers' eager Llama/Qwen3 code (fp32 norms and softmax, rounding to the
-model dtype where it rounds); results agree to bf16 rounding, not bit for bit.
+model dtype where it rounds), and for Qwen3.5 its training forward under bf16 autocast (a float32
+residual stream, float32 norm weights; ``hybrid.py``); results agree to bf16 rounding, not bit for bit.
 """
 
 from __future__ import annotations
@@ -52,11 +53,13 @@ def _add_rms_norm_kernel(x_ptr, delta_ptr, w_ptr, out_ptr, n, eps, HAS_DELTA: tl
     tl.store(out_ptr + row * n + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def add_rms_norm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float, one_plus: bool = False) -> Tensor:
+def add_rms_norm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float, one_plus: bool = False,
+                 out_dtype: torch.dtype | None = None) -> Tensor:
     """``x += delta`` (in place, if given), then RMSNorm(x) * weight (``one_plus``: * (1 + weight),
-    Qwen3.5's zero-centred norm).  # [M, N] -> [M, N]"""
+    Qwen3.5's zero-centred norm), in ``out_dtype`` (default: x's; a float32 residual stream
+    ``x`` with bf16 deltas and a bf16 output is what bf16 autocast computes).  # [M, N] -> [M, N]"""
     rows, n = x.shape
-    out = torch.empty_like(x)
+    out = torch.empty_like(x, dtype=out_dtype or x.dtype)
     _add_rms_norm_kernel[(rows,)](
         x, delta if delta is not None else x, weight, out, n, eps,
         HAS_DELTA=delta is not None, ONE_PLUS=one_plus, BLOCK=triton.next_power_of_2(n),
@@ -357,7 +360,8 @@ def _delta_rule_kernel(
 ):
     """A Gated DeltaNet layer's decode step after the convolution, for one (sequence, value head):
     L2-normalised q and k, the gate and beta, one read and one write of the [DK, DV] float32
-    state, then the gated RMSNorm of the output (rounding where transformers rounds)."""
+    state, then the gated RMSNorm of the output (rounding where transformers' forward rounds under
+    bf16 autocast)."""
     pid = tl.program_id(0)
     row, head = pid // heads, pid % heads
     key_head = head // group
@@ -380,8 +384,8 @@ def _delta_rule_kernel(
     state = state + k[:, None] * delta[None, :]
     tl.store(state_ptr + offsets, state)
     out = tl.sum(state * q[:, None], axis=0).to(dtype).to(tl.float32)
-    normed = (out * tl.rsqrt(tl.sum(out * out, axis=0) / DV + eps)).to(dtype)
-    scaled = (tl.load(norm_w_ptr + dv) * normed).to(tl.float32)
+    normed = (out * tl.rsqrt(tl.sum(out * out, axis=0) / DV + eps)).to(dtype).to(tl.float32)
+    scaled = tl.load(norm_w_ptr + dv).to(tl.float32) * normed  # float32, as autocast over float32 weights
     z = tl.load(z_ptr + row * z_sb + head * DV + dv).to(tl.float32)
     tl.store(out_ptr + row * heads * DV + head * DV + dv, (scaled * (z / (1.0 + tl.exp(-z)))).to(dtype))
 
