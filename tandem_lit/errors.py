@@ -26,5 +26,10 @@ class NonFiniteGradientError(TandemLitError, FloatingPointError):
     """An update's gradient is NaN or infinite: it is not applied, and the run stops."""
 
 
+class LogprobGapError(TandemLitError):
+    """The engine's log-probs and the training forward's disagree beyond ``update.logp_gap_limit``:
+    the step's update is not applied, and the run stops."""
+
+
 class MissingDependencyError(TandemLitError, ImportError):
     """An optional dependency the chosen component needs is not installed."""

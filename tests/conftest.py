@@ -61,7 +61,7 @@ SETTINGS_GROUPS = {
                 "dynamic_sampling": "dynamic_sampling", "prompt_format": "prompt_format",
                 "junior_prompt_format": "junior_prompt_format", "authorship_z": "authorship_z"},
     "update": {name: name for name in ("mini_batch_size", "micro_batch_size", "max_grad_norm", "overlong", "max_idle_steps",
-                                       "allow_low_precision_weights")},
+                                       "allow_low_precision_weights", "logp_gap_warning", "logp_gap_limit")},
     "evaluation": {"eval_sampling": "sampling", "eval_modes": "modes", "eval_handoff": "handoff", "evaluate_at_start": "at_start",
                    "test_handoff": "test_handoff", "test_sampling": "test_sampling", "test_forced_token": "test_forced_token",
                    "pass_k": "pass_k"},

@@ -4,6 +4,7 @@ the prompt-length filter, the handoff span limit, and checkpoint selection by he
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,6 +22,7 @@ from tandem_lit.models import LoraSettings, ModelSource
 from tandem_lit.objectives import GRPO, ObjectiveInputs
 from tandem_lit.rollout import Author, SamplingConfig, TokenHandoff, WordHandoff
 from tandem_lit.rollout.handoff import TokenClasses
+from tandem_lit.rollout.static import FastEngine
 from tandem_lit.training import DynamicSampling, OverlongPolicy, TandemModule
 from tandem_lit.training.settings import TrainingStalledError
 from tandem_lit.verifiers.base import Grade, Verifier
@@ -489,3 +491,38 @@ def test_a_large_rollout_logp_gap_warns_once_per_run_naming_tis_cap(caplog):
         quiet.check_logp_gap({"rollout_logp_gap_mean": 5.0})
     (record,) = caplog.records
     assert "0.510 nats" in record.getMessage() and "tis_cap" in record.getMessage()
+
+
+class OffByTwoEngine(FastEngine):
+    """An engine that reports each token's log-prob 2 nats too low: what a broken weight sync or
+    engine looks like from the update's side."""
+
+    def generate(self, prompts, policy, sampling):
+        rollout = super().generate(prompts, policy, sampling)
+        return dataclasses.replace(rollout, senior_logprobs=rollout.senior_logprobs - 2.0)
+
+
+def test_a_logp_gap_past_the_limit_stops_the_run_before_its_first_update(tmp_path):
+    """update.logp_gap_limit (1 nat by default): the run stops with one line before the step's
+    first optimizer update, so the weights are the ones it started from; a normal gap trains."""
+    from tandem_lit.errors import LogprobGapError
+
+    data = RowsDataModule([row(f"q{i} ", VOWELS) for i in range(4)], batch_size=2)
+    broken = tandem_module(engine=OffByTwoEngine(rollout_dtype="float32"), mini_batch_size=1)
+    broken.configure_model()
+    start = {name: p.detach().clone() for name, p in broken.senior.named_parameters()}
+    with pytest.raises(LogprobGapError, match=r"2\.0\d\d nats .* update\.logp_gap_limit=1\): .* was not applied"):
+        fit(broken, data, tmp_path / "broken")
+    assert all(torch.equal(p, start[name]) for name, p in broken.senior.named_parameters())
+
+    healthy = tandem_module(engine=FastEngine(rollout_dtype="float32"), mini_batch_size=1)
+    fit(healthy, data, tmp_path / "healthy")
+    assert 0 <= train_rows(healthy)[-1]["train/rollout_logp_gap_mean"] < 1e-3
+
+
+def test_logp_gap_limit_must_be_positive():
+    from tandem_lit.training.settings import UpdateSettings
+
+    with pytest.raises(ConfigError, match="logp_gap_limit must be > 0"):
+        UpdateSettings(logp_gap_limit=0.0)
+    assert UpdateSettings(logp_gap_limit=None).logp_gap_limit is None

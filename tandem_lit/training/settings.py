@@ -224,6 +224,10 @@ class UpdateSettings:
         logp_gap_warning: Warn (once per run) when ``train/rollout_logp_gap_mean``, the mean
             |training log-prob - engine log-prob| of the senior's tokens, exceeds this many nats
             (docs/metrics.md: ~0.06 is normal for a bf16 rollout copy of Qwen3-4B). None: never.
+        logp_gap_limit: Stop the run, before the step's first optimizer update is applied, when
+            that mean gap exceeds this many nats: the importance ratios would be off by more than
+            e^limit (a broken weight sync or engine, not rounding). None: never stop (the
+            warning still says it).
     """
 
     mini_batch_size: int | None = None
@@ -233,10 +237,13 @@ class UpdateSettings:
     max_idle_steps: int = 20
     allow_low_precision_weights: bool = False
     logp_gap_warning: float | None = 0.2
+    logp_gap_limit: float | None = 1.0
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1:
             raise ConfigError(f"update.micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.logp_gap_limit is not None and self.logp_gap_limit <= 0:
+            raise ConfigError(f"update.logp_gap_limit must be > 0 nats or null, got {self.logp_gap_limit}")
         if self.mini_batch_size is not None and self.mini_batch_size < 1:
             raise ConfigError(f"update.mini_batch_size must be >= 1 prompt, got {self.mini_batch_size}")
 

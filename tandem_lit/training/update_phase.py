@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from tandem_lit.errors import NonFiniteGradientError
+from tandem_lit.errors import LogprobGapError, NonFiniteGradientError
 from tandem_lit.evaluation.metrics import LogprobGap
 from tandem_lit.evaluation.results import RolloutResult
 from tandem_lit.models import liger
@@ -128,6 +128,8 @@ class UpdatePhase:
                 for name, value in metrics.items():
                     totals[name] = totals.get(name, 0.0) + value * len(micro) / len(group)
             totals["grad_norm"] = totals.get("grad_norm", 0.0) + self.clipped_norm(optimizer, step) / len(updates)
+            if index == 0:
+                self.check_logp_gap_limit(gap, optimizer, device, world)
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)  # no gradient memory held through the next rollouts
         totals["updates"] = float(len(updates))
@@ -150,6 +152,27 @@ class UpdatePhase:
             "check), different kernels on the two sides, or a stale weight sync. Set objective.tis_cap (verl uses "
             "2.0) to correct the ratios for it (docs/metrics.md says which values are normal).",
             gap, limit, math.exp(gap),
+        )
+
+    def check_logp_gap_limit(self, gap: LogprobGap, optimizer, device, world: int) -> None:
+        """Stop before the first update when the mean gap (over every rank's tokens so far: the
+        first mini-batch and the rows whose old log-probs were computed) exceeds
+        ``update.logp_gap_limit``: the update is not applied."""
+        limit = self.settings.logp_gap_limit
+        if limit is None:
+            return
+        total, tokens = gap.total, gap.tokens
+        if world > 1:  # every rank decides on the same numbers: none waits in a collective alone
+            total, tokens = all_reduce_sum([total, float(tokens)], device)
+        if not tokens or total / tokens <= limit:
+            return
+        optimizer.zero_grad(set_to_none=True)
+        mean = total / tokens
+        raise LogprobGapError(
+            f"the rollout engine's log-probs are {mean:.3f} nats from the training forward's on average (above "
+            f"update.logp_gap_limit={limit:g}): every importance ratio would be off by ~x{math.exp(mean):.1f}, so "
+            "this update was not applied. Check the engine's weight sync and dtype (rollout_dtype: float32 to "
+            "compare), or set update.logp_gap_limit: null to train anyway (docs/metrics.md)"
         )
 
     def clipped_norm(self, optimizer, step: int) -> float:
