@@ -157,6 +157,19 @@ def read_pages(pool: Tensor, table: Tensor, kv_len: int) -> Tensor:  # -> [B, KV
     return gathered.reshape(table.shape[0], kv_heads, -1, head_dim)[:, :, :kv_len]
 
 
+def store_prompt_kv(k_cache: Tensor, v_cache: Tensor, keys: Tensor, values: Tensor, rows: Tensor,
+                    placement: tuple[Tensor, Tensor] | None) -> None:
+    """One layer's prefilled keys and values [B, KV, W, D]: into cache ``rows`` at slots [0, W),
+    or, in a paged pool, where ``placement`` puts them (``write_prompt_pages``)."""
+    if placement is not None:
+        write_prompt_pages(k_cache, keys, placement)
+        write_prompt_pages(v_cache, values, placement)
+        return
+    width = keys.shape[2]
+    k_cache[rows, :, :width] = keys
+    v_cache[rows, :, :width] = values
+
+
 def write_prompt_pages(pool: Tensor, keys: Tensor, placement: tuple[Tensor, Tensor]) -> None:
     """Prefilled keys (or values) [B, KV, W, D] into the pool: ``placement`` = (source: flat
     indices into the B x W prompt positions, dest: flat pool positions), one pair per kept token."""

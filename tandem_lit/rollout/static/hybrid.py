@@ -42,8 +42,8 @@ from tandem_lit.rollout.static.blocks import (
     prefill_with_cache,
     read_pages,
     rotate_half,
+    store_prompt_kv,
     write_pages,
-    write_prompt_pages,
 )
 
 HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
@@ -267,7 +267,6 @@ class HybridDecoderModel:
         the convolution and recurrent states as they end: a row's states are per sequence, so they
         are overwritten whole on admission)."""
 
-        width = input_ids.shape[1]
         hidden, cache = prefill_with_cache(self.decoder_stack, self.config, input_ids, attention_mask)
         for i, (_, mixer, _) in enumerate(self.blocks):
             if isinstance(mixer, _DeltaLayer):
@@ -276,12 +275,7 @@ class HybridDecoderModel:
                 mixer.state[rows] = recurrent.to(mixer.state.dtype)
             else:
                 keys, values = layer_cache(cache, i)
-                if placement is not None:
-                    write_prompt_pages(self.k_cache[i], keys, placement)
-                    write_prompt_pages(self.v_cache[i], values, placement)
-                    continue
-                self.k_cache[i][rows, :, :width] = keys
-                self.v_cache[i][rows, :, :width] = values
+                store_prompt_kv(self.k_cache[i], self.v_cache[i], keys, values, rows, placement)
         last = hidden[:, -1:].contiguous()
         return self.lm_head(last)[:, -1]
 

@@ -19,8 +19,8 @@ from tandem_lit.rollout.static.blocks import (
     prefill_with_cache,
     read_pages,
     rotate_half,
+    store_prompt_kv,
     write_pages,
-    write_prompt_pages,
 )
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # and Qwen3.5's hybrid attention: hybrid.py
@@ -145,16 +145,10 @@ class StaticDecoderModel:
         """The model's own decoder stack over the prompts (left-padded among themselves), then its
         LM head on the last position; keys/values land in cache ``rows`` at slots [0, P), or, in a
         paged pool, where ``placement`` puts them (``blocks.write_prompt_pages``)."""
-        width = input_ids.shape[1]
         hidden, cache = prefill_with_cache(self.decoder_stack, self.config, input_ids, attention_mask)
         for i in range(len(self.layers)):
             keys, values = layer_cache(cache, i)
-            if placement is not None:
-                write_prompt_pages(self.k_cache[i], keys, placement)
-                write_prompt_pages(self.v_cache[i], values, placement)
-                continue
-            self.k_cache[i][rows, :, :width] = keys
-            self.v_cache[i][rows, :, :width] = values
+            store_prompt_kv(self.k_cache[i], self.v_cache[i], keys, values, rows, placement)
         last = hidden[:, -1:]  # what ``logits_to_keep=1`` hands the LM head (bit-equal to HFEngine on CPU)
         if last.is_cuda:
             # on that strided view cuBLAS picked a kernel that took ~10 ms instead of ~0.2
