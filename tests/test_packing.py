@@ -114,7 +114,8 @@ def graded(rollout: Rollout) -> RolloutResult:
 
 def run_update(llama, rollout: Rollout, memory: MemorySettings, mini_batch_size: int | None = 2):
     phase = UpdatePhase(
-        UpdateSettings(mini_batch_size=mini_batch_size, micro_batch_size=3, max_grad_norm=None), memory,
+        # (the rollouts' log-probs are made up, not an engine's: no gap limit)
+        UpdateSettings(mini_batch_size=mini_batch_size, micro_batch_size=3, max_grad_norm=None, logp_gap_limit=None), memory,
         GRPO(clip_low=0.2, clip_high=0.2), SamplingConfig(temperature=TEMPERATURE, max_new_tokens=max(COMPLETIONS)),
     )
     phase.bind(llama, None, lambda loss: loss.backward())
