@@ -145,3 +145,22 @@ def flat_settings(init_args: dict) -> dict:
             if field in values:
                 flat[name] = values[field]
     return flat
+
+
+def ragged_rollout(vocab: int, prompts=(3, 1, 4), completions=(9, 1, 5), seed: int = 0):
+    """A Rollout of random tokens with left-padded prompts and completions of different lengths
+    (``prompts[i]`` and ``completions[i]`` real tokens in row i), every token the senior's: what
+    an update pass sees, without an engine."""
+    from tandem_lit.rollout.record import Author, Rollout
+
+    generator = torch.Generator().manual_seed(seed)
+    n, width = len(prompts), max(completions)
+    prompt_mask = torch.zeros(n, max(prompts), dtype=torch.long)
+    author = torch.full((n, width), int(Author.PAD), dtype=torch.int8)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        prompt_mask[i, max(prompts) - p :] = 1
+        author[i, :c] = Author.SENIOR
+    prompt_ids = torch.randint(4, vocab, prompt_mask.shape, generator=generator) * prompt_mask
+    completion_ids = torch.randint(4, vocab, (n, width), generator=generator) * (author != Author.PAD)
+    return Rollout(prompt_ids, prompt_mask, completion_ids, author, torch.ones(n, dtype=torch.bool),
+                   torch.zeros(n, dtype=torch.bool), *(torch.zeros(n, dtype=torch.long),) * 3, texts=[""] * n)

@@ -18,8 +18,7 @@ from triton.runtime import interpreter
 from tandem_lit.models import liger
 from tandem_lit.rollout import logprobs
 from tandem_lit.rollout.logprobs import completion_logprobs
-from tandem_lit.rollout.record import Author, Rollout
-from tests.conftest import tiny_llama
+from tests.conftest import ragged_rollout, tiny_llama
 
 # Two gaps of the interpreter that Liger's kernels hit: it hands float arguments to the kernel as
 # Python floats (no ``.to``; compiled Triton passes fp32 scalars), and has no libdevice ``rsqrt``.
@@ -80,22 +79,6 @@ def lora_qwen3(vocab: int, seed: int):
 MODELS = {"llama": lambda vocab, seed: tiny_llama(vocab, seed=seed, init_range=0.1), "qwen3": qwen3, "qwen3_5": qwen35,
           "qwen3-lora": lora_qwen3}
 CASES = [("llama", False), ("qwen3", True), ("qwen3_5", False), ("qwen3-lora", False)]
-
-
-def ragged_rollout(vocab: int, prompts=(3, 1, 4), completions=(9, 1, 5)) -> Rollout:
-    """Left-padded prompts, completions of different lengths (the interpreter runs one Python
-    call per row of every kernel: a few dozen tokens keep it to seconds)."""
-    generator = torch.Generator().manual_seed(0)
-    n, width = len(prompts), max(completions)
-    prompt_mask = torch.zeros(n, max(prompts), dtype=torch.long)
-    author = torch.full((n, width), int(Author.PAD), dtype=torch.int8)
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        prompt_mask[i, max(prompts) - p :] = 1
-        author[i, :c] = Author.SENIOR
-    prompt_ids = torch.randint(4, vocab, prompt_mask.shape, generator=generator) * prompt_mask
-    completion_ids = torch.randint(4, vocab, (n, width), generator=generator) * (author != Author.PAD)
-    return Rollout(prompt_ids, prompt_mask, completion_ids, author, torch.ones(n, dtype=torch.bool),
-                   torch.zeros(n, dtype=torch.bool), *(torch.zeros(n, dtype=torch.long),) * 3, texts=[""] * n)
 
 
 def logprobs_and_grads(model, rollout, packed: bool, fused: bool):

@@ -26,10 +26,9 @@ from tandem_lit.models import ModelSource, liger
 from tandem_lit.objectives import GRPO
 from tandem_lit.rollout import SamplingConfig, WordHandoff
 from tandem_lit.rollout.logprobs import completion_logprobs
-from tandem_lit.rollout.record import Author, Rollout
 from tandem_lit.training.module import TandemModule
 from tandem_lit.training.settings import MemorySettings
-from tests.conftest import grouped_settings
+from tests.conftest import grouped_settings, ragged_rollout
 from tests.test_gpu_training import HasSpaceVerifier, Rows
 
 pytestmark = [
@@ -56,21 +55,6 @@ def qwen3(seed: int = 0):
     return model.train()
 
 
-def ragged_rollout(prompts=(17, 40, 5, 63), completions=(700, 33, 1500, 250)) -> Rollout:
-    generator = torch.Generator().manual_seed(1)
-    n, width = len(prompts), max(completions)
-    prompt_mask = torch.zeros(n, max(prompts), dtype=torch.long)
-    author = torch.full((n, width), int(Author.PAD), dtype=torch.int8)
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        prompt_mask[i, max(prompts) - p :] = 1
-        author[i, :c] = Author.SENIOR
-    prompt_ids = torch.randint(4, VOCAB, prompt_mask.shape, generator=generator) * prompt_mask
-    completion_ids = torch.randint(4, VOCAB, (n, width), generator=generator) * (author != Author.PAD)
-    tensors = (prompt_ids, prompt_mask, completion_ids, author, torch.ones(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool),
-               *(torch.zeros(n, dtype=torch.long),) * 3)
-    return Rollout(*(t.cuda() for t in tensors), texts=[""] * n)
-
-
 def logprobs_and_grad(model, rollout, packed: bool, fused: bool, autocast: bool):
     """Completion log-probs and the flattened gradient of a weighted sum of them."""
     written = rollout.completion_mask
@@ -83,7 +67,7 @@ def logprobs_and_grad(model, rollout, packed: bool, fused: bool, autocast: bool)
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 def test_liger_equals_pytorch_in_float32_and_within_bf16_tolerance(packed):
-    plain, rollout = qwen3(), ragged_rollout()
+    plain, rollout = qwen3(), ragged_rollout(VOCAB, (17, 40, 5, 63), (700, 33, 1500, 250), seed=1).to("cuda")
     fused = copy.deepcopy(plain)
     liger.apply_liger(fused, liger.ARCHITECTURES["qwen3"].kernels)
     truth, truth_grad = logprobs_and_grad(plain, rollout, packed, fused=False, autocast=False)
