@@ -289,6 +289,12 @@ def useful_rows(args, part: str) -> list[dict]:
         engine = FastEngine(kv_page_size=args.kv_page_size)
     engine.setup(senior, junior, tokenizer)
     rows = []
+
+    def keep(r: dict) -> None:  # each row as soon as it is measured: a run cut short keeps what it did
+        rows.append(r)
+        print(f"# measured: {r['name']}, batch {r['batch']}: {r['useful_tokens_per_second']:,.0f} useful tok/s",
+              file=sys.stderr, flush=True)
+
     for batch in batches:
         sequences = batch * args.queue
         budgets = draw_budgets(params, sequences, args.length_seed) if "median" in params else torch.full((sequences,), cap)
@@ -303,7 +309,7 @@ def useful_rows(args, part: str) -> list[dict]:
 
         if part == "vllm":
             seconds, out = timed(lambda p: engine.generate(p, SoloHandoff("senior"), sampling), prompts, device, repeats)
-            rows.append(row("vLLM, solo", seconds, out))
+            keep(row("vLLM, solo", seconds, out))
             continue
 
         for policy_name, policy in (("solo", SoloHandoff()), ("tandem", WordHandoff(0.5))):
@@ -323,16 +329,16 @@ def useful_rows(args, part: str) -> list[dict]:
             if not args.skip_static:
                 set_kv_layout(engine, "slots", None)  # the static baseline keeps the slot caches
                 seconds, outs = timed(static, prompts, device, repeats)
-                rows.append({"name": f"FastEngine static, {policy_name}", "batch": batch, "sequences": sequences,
-                             "useful_tokens": useful, "seconds": seconds, "useful_tokens_per_second": useful / seconds,
-                             "steps": sum(int(o.lengths.max()) for o in outs)})
+                keep({"name": f"FastEngine static, {policy_name}", "batch": batch, "sequences": sequences,
+                      "useful_tokens": useful, "seconds": seconds, "useful_tokens_per_second": useful / seconds,
+                      "steps": sum(int(o.lengths.max()) for o in outs)})
             engine.max_batch = batch
             for layout in args.kv_cache:
                 set_kv_layout(engine, layout, args.kv_cache_gib)
                 reset_peak_memory(device)
                 seconds, out = timed(lambda p, policy=policy: engine.generate(p, policy, sampling), prompts, device, repeats)
                 name = f"FastEngine continuous{' paged' if layout == 'paged' else ''}, {policy_name}"
-                rows.append(row(name, seconds, out, {**engine.last_timing(), **peak_memory(device)}))
+                keep(row(name, seconds, out, {**engine.last_timing(), **peak_memory(device)}))
         engine.release()  # the next batch size sizes its own caches
     return rows
 
