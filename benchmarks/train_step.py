@@ -136,6 +136,8 @@ def build_module(model_args: dict, arm: str, args, root: Path):
     for key in ("micro_batch_size", "mini_batch_size"):
         if getattr(args, key) is not None:
             update[key] = getattr(args, key)
+    # the benchmark reports the rollout-vs-train gap of every step; a run would stop past the limit
+    update["logp_gap_limit"] = args.logp_gap_limit
     if args.lora:
         init["lora"] = {"r": args.lora, "alpha": 2 * args.lora, "dropout": 0.0, "load_in_4bit": args.qlora}
         if args.qlora:  # QLoRA: a 4-bit NF4 base (bf16 compute), the Tandem Training setting
@@ -467,6 +469,8 @@ def main() -> None:
     parser.add_argument("--fused-kernels", default=None, choices=["auto", "liger", "off"],
                         help="memory.fused_kernels: Liger-Kernel's kernels in the update (default: the config's, auto)")
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="the device's dense bf16 TFLOP/s, for the update's MFU")
+    parser.add_argument("--logp-gap-limit", type=float, default=None,
+                        help="update.logp_gap_limit (default: none, so the step is measured and its gap reported)")
     parser.add_argument("--estimate-only", action="store_true")
     parser.add_argument("--lengths", default="fixed",
                         help="fixed (every rollout runs max_new_tokens), or lognormal[:median=1000,sigma=0.8,cap=3000]: "
