@@ -206,18 +206,19 @@ def test_a_refilled_slot_forgets_its_last_sequence(tokenizer, plain_pair):
         assert torch.equal(together.author[row, : alone.author.shape[1]], alone.author[0])
 
 
+def cuda_pair(vocab: int, pair: str):
+    """The GPU tests' senior and junior on CUDA: a Qwen3 (``plain``) or Qwen3.5 hybrid senior, a Llama junior."""
+    senior = build("qwen3", vocab, 64, 2, seed=0) if pair == "plain" else hybrid(vocab, 0)
+    return senior.cuda(), build("llama", vocab, 32, 1, seed=1).cuda()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs of the batch ladder and the Triton kernels need a GPU")
 @pytest.mark.parametrize("pair", ["plain", "hybrid-llama"])
 def test_continuous_batching_on_cuda_graphs_and_triton_kernels_equals_all_at_once(tokenizer, pair):
     """The GPU path: one captured graph per ladder size, per-row slots in the Triton attention
     kernels, refills between replays and compaction of both models' caches (float32, so the
     comparison is exact up to kernel order)."""
-    vocab = len(tokenizer)
-    if pair == "plain":
-        senior, junior = build("qwen3", vocab, 64, 2, seed=0), build("llama", vocab, 32, 1, seed=1)
-    else:
-        senior, junior = hybrid(vocab, 0), build("llama", vocab, 32, 1, seed=1)
-    senior, junior = senior.cuda(), junior.cuda()
+    senior, junior = cuda_pair(len(tokenizer), pair)
     together, queued = FastEngine(rollout_dtype="float32"), FastEngine(rollout_dtype="float32", max_batch=3, check_every=2)
     for engine in (together, queued):
         engine.setup(senior, junior, tokenizer)
@@ -355,12 +356,7 @@ def test_the_pool_is_sized_in_gib_from_both_models_bytes_per_token(tokenizer, pl
 def test_paged_cache_on_cuda_graphs_and_triton_kernels_equals_the_slot_cache(tokenizer, pair, pool):
     """The GPU path: block table as a static tensor of the captured graphs, the Triton kernels
     reading pages (float32: exact up to kernel order), refills, preemptions and compaction."""
-    vocab = len(tokenizer)
-    if pair == "plain":
-        senior, junior = build("qwen3", vocab, 64, 2, seed=0), build("llama", vocab, 32, 1, seed=1)
-    else:
-        senior, junior = hybrid(vocab, 0), build("llama", vocab, 32, 1, seed=1)
-    senior, junior = senior.cuda(), junior.cuda()
+    senior, junior = cuda_pair(len(tokenizer), pair)
     slots = FastEngine(rollout_dtype="float32", max_batch=3, check_every=2)
     pages = FastEngine(rollout_dtype="float32", max_batch=3, check_every=2, kv_cache="paged", **pool)
     for engine in (slots, pages):
