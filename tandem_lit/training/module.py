@@ -201,7 +201,8 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         rollout copy loaded with the current trained weights (once per rollout phase after updates)."""
         if self._engine_device != self.device:
             if self.engine.wants_kv_plan:
-                self.engine.plan_kv_cache(self.memory_estimate().rollout["KV caches"])
+                estimate = self.estimated_memory or self.memory_estimate()  # (made at fit start on a GPU)
+                self.engine.plan_kv_cache(estimate.rollout["KV caches"])
             with gathered(self.senior):  # (a no-op unless FSDP shards the senior)
                 self.engine.setup(self.senior, self.junior, self.tokenizer, self.junior_tokenizer)
             self._engine_device = self.device
