@@ -4,6 +4,11 @@ writes its own shards (``checkpoint.sharded``). A Qwen3-4B layer shape with fewe
 it fits a small machine; the 4B numbers are extrapolated by bytes (the work is a copy per byte).
 
     python -m benchmarks.checkpoint_io --layers 2 --world 2 --out /tmp/ckpt_bench
+    python -m benchmarks.checkpoint_io --device cuda --layers 36 --out /tmp/ckpt_bench   # the 4B, one GPU process
+
+On a GPU (one process, NCCL) the model and its AdamW state live on the card, as in training; the
+sharded checkpoint is deleted before the one file is written, so that the disk holds one 4B
+checkpoint (48 GB) at a time.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ QWEN3_4B = dict(hidden_size=2560, intermediate_size=9728, num_attention_heads=32
 QWEN3_4B_PARAMETERS = 4.02e9
 
 
-def worker(rank: int, world: int, port: int, layers: int, out: str, results) -> None:
+def worker(rank: int, world: int, port: int, layers: int, out: str, device: str, results) -> None:
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -38,13 +43,14 @@ def worker(rank: int, world: int, port: int, layers: int, out: str, results) -> 
 
     from tandem_lit.training.callbacks import AtomicCheckpointIO
     from tandem_lit.training.distributed import shard_model
-    from tandem_lit.training.sharded import load_sharded_into, save_sharded
+    from tandem_lit.training.sharded import load_sharded_into, remove_sharded, save_sharded
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=layers, **QWEN3_4B))
-    model = shard_model(model, init_device_mesh("cpu", (world,)), bf16_compute=False)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=layers, **QWEN3_4B))
+    model = shard_model(model, init_device_mesh(device, (world,)), bf16_compute=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     get_optimizer_state_dict(model, optimizer)  # (creates AdamW's state)
     parameters = sum(p.numel() for p in model.parameters())
@@ -57,6 +63,8 @@ def worker(rank: int, world: int, port: int, layers: int, out: str, results) -> 
         value = fn()
         dist.barrier()
         timings[name] = time.perf_counter() - start
+        if rank == 0:  # as measured: a run cut short keeps what it had
+            print(f"{name}={timings[name]:.1f}", flush=True)
         return value
 
     def broadcast(value):
@@ -83,14 +91,22 @@ def worker(rank: int, world: int, port: int, layers: int, out: str, results) -> 
                       "optimizer_states": [get_optimizer_state_dict(model, optimizer)]}
         save_sharded(checkpoint, folder / "sharded.ckpt", rank, broadcast, dist.barrier)
 
-    timed("save_one_file_s", save_full)
-    timed("load_one_file_s", load_full)
+    def size(path: Path) -> float:
+        return sum(f.stat().st_size for f in path.resolve().rglob("*") if f.is_file()) / 1e9
+
+    # one 4B checkpoint on the disk at a time (a 64 GiB disk holds one, not two): the shards first,
+    # then the one file (last, since its memory-mapped load may keep the file's pages alive)
     timed("save_sharded_s", save_shards)
     timed("load_sharded_s", lambda: load_sharded_into(folder / "sharded.ckpt", model, [optimizer]))
+    sharded_gb = size(folder / "sharded.ckpt") if rank == 0 else 0.0
+    dist.barrier()
     if rank == 0:
-        size = lambda p: sum(f.stat().st_size for f in Path(p).resolve().rglob("*") if f.is_file())  # noqa: E731
+        remove_sharded(folder / "sharded.ckpt")
+    timed("save_one_file_s", save_full)
+    timed("load_one_file_s", load_full)
+    if rank == 0:
         results.update(timings, parameters=parameters, one_file_gb=(folder / "full.ckpt").stat().st_size / 1e9,
-                       sharded_gb=size(folder / "sharded.ckpt") / 1e9)
+                       sharded_gb=sharded_gb)
     dist.destroy_process_group()
 
 
@@ -99,7 +115,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--out", default="/tmp/tandem_lit_checkpoint_bench")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: one process, NCCL")
     args = parser.parse_args()
+    if args.device == "cuda":
+        args.world = 1
     shutil.rmtree(args.out, ignore_errors=True)
     Path(args.out).mkdir(parents=True)
     with socket.socket() as s:
@@ -107,11 +126,11 @@ def main() -> None:
         port = s.getsockname()[1]
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(worker, args=(args.world, port, args.layers, args.out, results), nprocs=args.world)
+        mp.spawn(worker, args=(args.world, port, args.layers, args.out, args.device, results), nprocs=args.world)
         results = dict(results)
     scale = QWEN3_4B_PARAMETERS / results["parameters"]
     results["extrapolated_to_4b"] = {k: round(v * scale, 1) for k, v in results.items() if k.endswith("_s")}
-    print(json.dumps({"world": args.world, "layers": args.layers, **results}, indent=2))
+    print(json.dumps({"device": args.device, "world": args.world, "layers": args.layers, **results}, indent=2))
     shutil.rmtree(args.out, ignore_errors=True)
 
 

@@ -405,8 +405,26 @@ def test_gpu_per_row_budgets(gpu_setup, tokenizer):
     _, engine, _ = gpu_setup
     budgets = [5, 40, 1, 23]
     out = engine.generate(with_budgets(prompt_batch(tokenizer, "cuda"), budgets), SoloHandoff(),
-                          SamplingConfig(temperature=1.0, max_new_tokens=40, ignore_eos=True))
+                          SamplingConfig(temperature=0.7, max_new_tokens=40, ignore_eos=True))
     assert out.lengths.tolist() == budgets and out.truncated.all() and not out.finished.any()
+    # rows leaving the batch at different steps keep each token's own log-prob (the training
+    # step's lognormal budgets measured a 1.25-nat gap that equal budgets did not: issue 25)
+    expected, _ = teacher_forced(gpu_setup[0], out, 0.7)
+    written = out.completion_mask
+    torch.testing.assert_close(out.senior_logprobs[written], expected[written], atol=NEAR_TIE, rtol=1e-3)
+
+
+@gpu
+def test_gpu_decoding_ignores_the_trainers_autocast(gpu_setup, tokenizer):
+    """training_step runs under Lightning's bf16 autocast: vLLM's float32 forward must not round to
+    bf16 under it (its eager matmuls would)."""
+    senior, engine, _ = gpu_setup
+    prompts, sampling = prompt_batch(tokenizer, "cuda", seed=5), SamplingConfig(temperature=0.7, max_new_tokens=24)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = engine.generate(prompts, SoloHandoff(), sampling)
+    expected, _ = teacher_forced(senior, out, sampling.temperature)
+    written = out.completion_mask
+    torch.testing.assert_close(out.senior_logprobs[written], expected[written], atol=NEAR_TIE, rtol=1e-3)
 
 
 @gpu

@@ -121,6 +121,13 @@ def start_utilization(kv_cache_gib: float, weight_bytes: int, device: torch.devi
     return (free - GIB // 2) / total
 
 
+def outside_autocast():
+    """Where vLLM runs: never under the trainer's autocast. Lightning's bf16-mixed wraps
+    ``training_step`` (and so the rollout phase) in ``torch.autocast``, which vLLM's own forward
+    does not expect; FastEngine turns it off the same way."""
+    return torch.autocast("cuda", enabled=False)
+
+
 class VLLMEngine(RolloutEngine):
     """Solo senior rollouts from an in-process vLLM 0.24 (``pip install 'tandem-lit[vllm]'``).
 
@@ -267,7 +274,8 @@ class VLLMEngine(RolloutEngine):
         rows = [ids[mask.bool()].tolist() for ids, mask in zip(prompts.input_ids.cpu(), prompts.attention_mask.cpu())]
         budgets = row_budgets(prompts, sampling.max_new_tokens)
         params = [self._params(sampling, seed, budget) for seed, budget in zip(prompts.seeds.tolist(), budgets)]
-        outputs = self.llm.generate([{"prompt_token_ids": row} for row in rows], params, use_tqdm=False)
+        with outside_autocast():
+            outputs = self.llm.generate([{"prompt_token_ids": row} for row in rows], params, use_tqdm=False)
         decoded = time.perf_counter()
         rollout = self._rollout(prompts, policy, sampling, [out.outputs[0] for out in outputs])
         self._last_timing = {
