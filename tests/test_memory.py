@@ -226,3 +226,21 @@ def test_memory_settings_do_not_change_the_update(tmp_path, memory):
     assert any(float(d.abs().max()) > 0 for d in reference.values())
     for name, delta in reference.items():
         torch.testing.assert_close(changed[name], delta, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_an_engine_with_its_own_kv_pool_is_counted_at_that_size():
+    from tandem_lit.rollout.static import FastEngine
+
+    module = tiny_tandem_module(
+        verifier=SpaceVerifier(), objective=GRPO(), sampling=SamplingConfig(n=4, max_new_tokens=100),
+        max_prompt_tokens=28, rollout_batch_size=8,
+    )
+    module.configure_model()
+    senior, junior = ModelShape.of(module.senior), ModelShape.of(module.junior)
+    per_token = senior.kv_bytes_per_token(4) + junior.kv_bytes_per_token(4)
+    module.engine = FastEngine(kv_cache="paged", kv_cache_tokens=5000)
+    assert module.memory_estimate(prompts_per_step=4).rollout["KV caches"] == 5000 * per_token
+    module.engine = FastEngine(kv_cache="paged", kv_cache_gib=0.01)
+    assert module.memory_estimate(prompts_per_step=4).rollout["KV caches"] == int(0.01 * GIB) // per_token * per_token
+    module.engine = FastEngine()  # slot caches: the batch's rows x their tokens
+    assert module.memory_estimate(prompts_per_step=4).rollout["KV caches"] == 8 * 128 * per_token

@@ -483,3 +483,9 @@ def test_kv_cache_plan_is_the_memory_plans_kv_line(stand_in_vllm):
 def test_kv_cache_plan_outside_a_training_run_is_one_line(stand_in_vllm, tokenizer):
     with pytest.raises(ConfigError, match="kv_cache_gib: plan sizes the KV cache from a training run's memory plan"):
         VLLMEngine(kv_cache_gib="plan", rollout_dtype="float32").setup(tiny_qwen3(len(tokenizer)), None, tokenizer)
+
+
+def test_the_memory_plan_counts_a_kv_cache_given_in_gib_at_that_size(stand_in_vllm):
+    assert VLLMEngine(kv_cache_gib=2.5).kv_pool_size() == (None, 2.5)
+    assert VLLMEngine(kv_cache_gib="plan").kv_pool_size() == (None, None)  # the plan's own number
+    assert VLLMEngine().kv_pool_size() == (None, None)  # gpu_memory_utilization: the batch's estimate

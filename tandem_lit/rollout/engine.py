@@ -114,6 +114,12 @@ class RolloutEngine(ABC):
     # to its ``plan_kv_cache(bytes)`` before ``setup`` (VLLMEngine's ``kv_cache_gib: plan``)
     wants_kv_plan: bool = False
 
+    def kv_pool_size(self) -> tuple[int | None, float | None]:
+        """The KV pool this engine holds whatever the batch, for the memory plan: (token positions,
+        GiB), at most one set; (None, None): caches sized by the batch (rows x their tokens), as
+        the plan counts them by default."""
+        return None, None
+
     def setup(self, senior: nn.Module, junior: nn.Module | None, tokenizer, junior_tokenizer=None) -> None:
         check_shared_tokenizer(tokenizer, junior_tokenizer)
         self.bind_senior(senior)

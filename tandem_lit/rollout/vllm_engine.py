@@ -188,6 +188,10 @@ class VLLMEngine(RolloutEngine):
 
     check_policy = staticmethod(check_policy)
 
+    def kv_pool_size(self) -> tuple[int | None, float | None]:
+        # a size in GiB is vLLM's cache whatever the batch; "plan" takes the plan's own number
+        return None, (float(self.kv_cache_gib) if isinstance(self.kv_cache_gib, (int, float)) else None)
+
     @property
     def wants_kv_plan(self) -> bool:
         return self.kv_cache_gib == "plan"

@@ -229,12 +229,11 @@ class TandemModule(EvaluationSteps, L.LightningModule):
             mixed_precision = "mixed" in str(getattr(trainer, "precision", "32"))
         if world is None:
             world = getattr(trainer, "world_size", 1)
-        paged = getattr(self.engine, "kv_cache", None) == "paged"  # (VLLMEngine's kv_cache_gib is its own)
+        kv_pool_tokens, kv_pool_gib = self.engine.kv_pool_size()
         return estimate_run_memory(
             self.senior, self.junior, self.reference is not None, getattr(self.engine, "rollout_dtype", "auto"),
             self.rollout_settings, self.update_settings, self.memory, prompts_per_step, mixed_precision, decode_dtype,
-            self.engine.kv_cache_tokens if paged else None, self.engine.kv_cache_gib if paged else None,
-            world=world,
+            kv_pool_tokens, kv_pool_gib, world=world,
         )
 
     def configure_optimizers(self):

@@ -239,6 +239,11 @@ class FastEngine(RolloutEngine):
             for name, model in self.models.items():
                 model.fuse_projections(share=name == "junior" or self.decodes_copy)
 
+    def kv_pool_size(self) -> tuple[int | None, float | None]:
+        if self.kv_cache == "paged":  # the pool, whatever the batch
+            return self.kv_cache_tokens, self.kv_cache_gib
+        return None, None
+
     def release(self) -> None:
         """Free the KV caches, buffers and captured graphs (re-allocated and re-captured by the
         next ``generate``), so that a training update can use their memory."""
