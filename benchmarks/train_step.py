@@ -256,6 +256,27 @@ class UpdateShapes:
                            "forward_only_rows": forward_only})
 
 
+class LogprobRecorder:
+    """Keeps, for ``--dump-logprobs``, every teacher-forced pass of the update (the rows it scored:
+    prompt and completion ids, authors, the engine's log-probs, the training forward's), by
+    wrapping the module's ``UpdatePhase.sequence_logprobs``: a gap can then be taken apart offline
+    (by position, row, budget, token) from one run."""
+
+    def __init__(self, module) -> None:
+        self.passes: list[dict] = []
+        score = module.updates.sequence_logprobs
+
+        def recorded(model, rollout, temperature=None):
+            logp = score(model, rollout, temperature)
+            self.passes.append({"prompt_ids": rollout.prompt_ids.cpu(), "prompt_mask": rollout.prompt_mask.cpu(),
+                                "completion_ids": rollout.completion_ids.cpu(), "author": rollout.author.cpu(),
+                                "engine_logprobs": None if rollout.senior_logprobs is None else rollout.senior_logprobs.float().cpu(),
+                                "train_logprobs": logp.detach().float().cpu(), "temperature": temperature})
+            return logp
+
+        module.updates.sequence_logprobs = recorded
+
+
 class StepReport(L.Callback):
     """Times each training step and reports it as soon as it ends (Lightning's teardown after
     ``fit`` moves tens of GB to the host: a time limit there must not lose the numbers). The first
@@ -395,7 +416,12 @@ def run_arm(arm: str, model_args: dict, trainer_args: dict, args, root: Path, ba
         num_sanity_val_steps=0, enable_progress_bar=False, enable_model_summary=False, callbacks=[report],
         default_root_dir=str(root / arm),
     )
+    recorder = LogprobRecorder(module) if args.dump_logprobs else None
     trainer.fit(module, datamodule=data)
+    if recorder is not None:
+        dump = Path(args.dump_logprobs).with_suffix(f".{arm}.pt")
+        torch.save({"arm": arm, "passes": recorder.passes}, dump)
+        say(f"{arm:>7} teacher-forced passes ({len(recorder.passes)}) written to {dump}")
     estimate = module.estimated_memory or module.memory_estimate(prompts_per_step=args.prompts)  # made at fit start on GPU
     say(f"{arm:>7} memory estimate: {estimate.table()} (peak {estimate.peak / GIB:.1f} GiB); "
         f"fused kernels: {', '.join(module.updates.fused_kernels) or 'none'}")
@@ -475,6 +501,9 @@ def main() -> None:
     parser.add_argument("--lengths", default="fixed",
                         help="fixed (every rollout runs max_new_tokens), or lognormal[:median=1000,sigma=0.8,cap=3000]: "
                              "each rollout's length drawn from its seed (the long tail of real RL responses)")
+    parser.add_argument("--dump-logprobs", default=None, metavar="FILE",
+                        help="write every update pass's rows with the engine's and the training forward's log-probs "
+                             "to FILE.<arm>.pt (to take a log-prob gap apart offline)")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
     if args.engine == "vllm":
