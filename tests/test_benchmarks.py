@@ -36,12 +36,20 @@ def test_train_step_benchmark_with_lognormal_lengths_trains_on_each_rollouts_own
     out = tmp_path / "train_step.json"
     run = subprocess.run(
         [sys.executable, "benchmarks/train_step.py", "--device", "cpu", "--tiny", "--arms", "grpo", "--max-new-tokens", "16",
-         "--lengths", "lognormal:median=6,sigma=0.8,cap=16", "--json", str(out)],
+         "--lengths", "lognormal:median=6,sigma=0.8,cap=16", "--json", str(out), "--dump-logprobs", str(tmp_path / "gap")],
         cwd=repo_root, capture_output=True, text=True, timeout=600,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     (step,) = json.loads(out.read_text())["arms"]["grpo"]["steps"]
     assert 1 <= step["response_length"] < 12  # a median-6 draw capped at 16, not the fixed 16
+    # the dumped passes take the step's gap apart offline: float32 on the CPU, engine == forward
+    report = subprocess.run([sys.executable, "benchmarks/gap_report.py", str(tmp_path / "gap.grpo.pt")],
+                            cwd=repo_root, capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr[-3000:]
+    lines = report.stdout.splitlines()
+    assert "gap mean 0.0000" in lines[0] and lines[1].startswith("by position in the completion: 0-128: 0.000")
+    shifted = [float(line.split()[-1]) for line in lines if line.startswith("engine[t] vs train[t")]
+    assert len(shifted) == 2 and min(shifted) > 0.01  # misaligned by a token, the two sides part
 
 
 def test_train_step_benchmark_vllm_arm_without_vllm_is_one_line(repo_root):
