@@ -1,7 +1,8 @@
 """Qwen3.5's chunked gated delta rule with the scan in Triton (``models.delta_scan``, issue 26):
 the torch path equals transformers' rule (outputs, final state, every gradient); the Triton kernels,
 in Triton's CPU interpreter, equal the torch scan; compiled on a GPU, the whole rule equals
-transformers' at the 9B's shape."""
+transformers' at the 9B's shape; and ``float32_delta_rule`` routes a Qwen3.5 model through it on
+CUDA (here: on a device list that names the CPU) while leaving the CPU path as it was."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from tandem_lit.models.delta_scan import chunk_gated_delta_rule
+from tandem_lit.rollout import logprobs
 
 qwen35 = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
 
@@ -134,3 +136,41 @@ def test_the_compiled_rule_equals_transformers_at_the_9b_shape():
     assert relative_error(final, want_final) < 1e-4
     for name, grad in grads.items():
         assert relative_error(grad, want_grads[name]) < 1e-4, name
+
+
+@pytest.fixture
+def unpatched(monkeypatch):
+    """transformers' rule in its module again for the test (whatever ran before), restored after."""
+    monkeypatch.setattr(qwen35, "torch_chunk_gated_delta_rule", transformers_rule())
+
+
+@pytest.mark.usefixtures("unpatched")
+def test_float32_delta_rule_routes_a_built_qwen35_model_and_keeps_the_cpu_path(monkeypatch):
+    from tests.test_hybrid_engine import hybrid
+
+    model = hybrid(vocab=40, seed=0).train()  # built before the patch: its layers must still reach it
+    ids = torch.randint(3, 40, (2, 90), generator=torch.Generator().manual_seed(0))  # two chunks
+
+    def logits_and_grad():
+        model.zero_grad()
+        logits = model(input_ids=ids).logits
+        logits.square().mean().backward()
+        return logits.detach(), model.model.layers[0].linear_attn.in_proj_qkv.weight.grad.clone()
+
+    want_logits, want_grad = logits_and_grad()
+    logprobs.float32_delta_rule()
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].device.type)
+        return chunk_gated_delta_rule(*args, **kwargs)
+
+    monkeypatch.setattr(logprobs, "chunk_gated_delta_rule", counted)
+    logits, grad = logits_and_grad()  # the CPU: transformers' rule, as before the patch
+    assert not calls
+    assert torch.equal(logits, want_logits) and torch.equal(grad, want_grad)
+    monkeypatch.setattr(logprobs, "TRITON_SCAN_DEVICES", frozenset({"cpu", "cuda"}))  # as on CUDA
+    logits, grad = logits_and_grad()
+    assert calls == ["cpu"] * 3  # each linear-attention layer, once (the backward reuses the forward's graph)
+    torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-4, atol=1e-6)
