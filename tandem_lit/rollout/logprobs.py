@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import logging
 from collections.abc import Iterator
 
@@ -29,6 +30,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from tandem_lit.errors import ConfigError
+from tandem_lit.models.delta_scan import chunk_gated_delta_rule
 from tandem_lit.models.liger import liger_logprobs
 from tandem_lit.rollout.record import Rollout
 from tandem_lit.rollout.weights import plain_model
@@ -36,6 +38,9 @@ from tandem_lit.rollout.weights import plain_model
 log = logging.getLogger(__name__)
 
 CHUNK_ELEMENTS = 2**28  # float logits per chunk (1 GiB)
+# where float32_delta_rule runs the delta rule's chunk loop as Triton kernels (models.delta_scan);
+# the CPU keeps transformers' torch loop as it was (a launch costs nothing there, and CI has no Triton)
+TRITON_SCAN_DEVICES = frozenset({"cuda"})
 # attention implementations that turn restarting position ids into document-masked attention
 # (transformers 5: the mask functions of masking_utils, and flash attention's varlen path)
 PACKED_ATTENTION = frozenset({"sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4"})
@@ -100,7 +105,13 @@ def float32_delta_rule() -> None:
     too (``embeddings_at_compute_precision``) this halves the engine-vs-train gap of a random
     32-layer Qwen3.5 (benchmarks/logp_gap.py, issue 26). Process-wide, not a context: activation
     checkpointing recomputes the forward inside backward, which must compute what the forward did.
-    Under no autocast (the engine's prefill, float32 training) it changes nothing."""
+    Under no autocast (the engine's prefill, float32 training) it changes nothing on the CPU.
+
+    On CUDA, with or without autocast, the patched rule is ``models.delta_scan.chunk_gated_delta_rule``: the same float32
+    rule with its chunk loop as two Triton kernels instead of thousands of small launches per layer
+    (issue 26), unless flash-linear-attention is installed, which transformers' rule then runs.
+    Qwen3.5's layers look the rule up in their module at each call, so models built before the
+    patch run it too."""
     try:
         from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen35
     except ImportError:  # a transformers without Qwen3.5
@@ -109,10 +120,13 @@ def float32_delta_rule() -> None:
     if getattr(rule, "autocast_off", False):
         return
 
+    fla = importlib.util.find_spec("fla") is not None  # transformers' rule is then fla's kernels, not the torch loop
+
     @functools.wraps(rule)
     def rule_without_autocast(query: Tensor, *args, **kwargs):
+        scan = chunk_gated_delta_rule if query.device.type in TRITON_SCAN_DEVICES and not fla else rule
         with torch.autocast(query.device.type, enabled=False):
-            return rule(query, *args, **kwargs)
+            return scan(query, *args, **kwargs)
 
     rule_without_autocast.autocast_off = True
     qwen35.torch_chunk_gated_delta_rule = rule_without_autocast
