@@ -166,10 +166,10 @@ def test_float32_delta_rule_routes_a_built_qwen35_model_and_keeps_the_cpu_path(m
         return chunk_gated_delta_rule(*args, **kwargs)
 
     monkeypatch.setattr(logprobs, "chunk_gated_delta_rule", counted)
-    logits, grad = logits_and_grad()  # the CPU: transformers' rule, as before the patch
+    logits, grad = logits_and_grad()  # the CPU (not in TRITON_SCAN_DEVICES): transformers' rule, as before the patch
     assert not calls
     assert torch.equal(logits, want_logits) and torch.equal(grad, want_grad)
-    monkeypatch.setattr(logprobs, "TRITON_SCAN_DEVICES", frozenset({"cpu", "cuda"}))  # as on CUDA
+    monkeypatch.setattr(logprobs, "TRITON_SCAN_DEVICES", frozenset({"cpu", "cuda"}))  # as on a device that runs the kernels
     logits, grad = logits_and_grad()
     assert calls == ["cpu"] * 3  # each linear-attention layer, once (the backward reuses the forward's graph)
     torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
