@@ -3,7 +3,8 @@
 A mean gap says that the engine and the training forward disagree, not where. From the dumped
 update passes (each row's prompt, completion, authors, the engine's log-probs and the training
 forward's) this prints the gap of the senior's tokens by position in the completion and by
-absolute position (prompt + completion), by row, and the share of tokens more than 1 nat off; and
+absolute position (prompt + completion), by row, the share of tokens more than 1 nat off and the
+signed difference (one-sided when a side renormalises, as top-k would); and
 two alignment checks: the engine's log-prob of token t against the training forward's of t-1 and
 t+1 (an off-by-one shows as a smaller gap there).
 
@@ -59,10 +60,11 @@ def main() -> None:
     rows = rows_of(torch.load(args.dump, weights_only=False))
     if not rows:
         raise SystemExit(f"{args.dump}: no senior-written token with the engine's log-probs in any pass")
-    gaps, completion_pos, absolute_pos, shifted = [], [], [], {-1: [], 1: []}
+    gaps, signed, completion_pos, absolute_pos, shifted = [], [], [], [], {-1: [], 1: []}
     for row in rows:
         index = torch.nonzero(row["senior"]).squeeze(-1)
-        gap = (row["engine"][index] - row["train"][index]).abs()
+        signed.append(row["engine"][index] - row["train"][index])
+        gap = signed[-1].abs()
         gaps.append(gap)
         completion_pos.append(index)
         absolute_pos.append(index + row["prompt"])
@@ -72,6 +74,9 @@ def main() -> None:
     gap, completion_at, absolute_at = torch.cat(gaps), torch.cat(completion_pos), torch.cat(absolute_pos)
     print(f"{args.dump}: {len(rows)} rows, {gap.numel()} senior tokens; gap mean {float(gap.mean()):.4f} "
           f"max {float(gap.max()):.3f}; {float((gap > 1).float().mean()):.2%} of tokens more than 1 nat off")
+    difference = torch.cat(signed)  # engine - train: one-sided when a side renormalises (top-k/top-p) or rescales
+    print(f"engine - train: mean {float(difference.mean()):+.4f}, positive for {float((difference > 0).float().mean()):.1%} "
+          "of tokens")
     bucketed(gap, completion_at, "by position in the completion")
     bucketed(gap, absolute_at, "by absolute position (prompt + completion)")
     per_row = sorted(((float(g.mean()), i, row["prompt"], row["length"]) for i, (g, row) in enumerate(zip(gaps, rows))),
