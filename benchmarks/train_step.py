@@ -125,6 +125,8 @@ def build_module(model_args: dict, arm: str, args, root: Path):
         for role in ("senior", "junior"):
             if init.get(role):
                 init[role] = dict(init[role], path=model_folder(init[role]["path"], args.tokenizer, root), random_init=True)
+    if args.attn_implementation:  # the senior's training forward (packed passes need one that keeps sequences apart)
+        init["senior"] = dict(init["senior"], attn_implementation=args.attn_implementation)
     rollout = init["rollout"] = dict(init.get("rollout") or {})
     update = init["update"] = dict(init.get("update") or {})
     rollout["sampling"] = dict(rollout.get("sampling") or {}, ignore_eos=True)
@@ -492,6 +494,9 @@ def main() -> None:
     parser.add_argument("--strategy", default=None, choices=["fsdp"], help="fsdp: tandem_lit.training.distributed.FSDP2Strategy")
     parser.add_argument("--pack-sequences", action=argparse.BooleanOptionalAction, default=None,
                         help="memory.pack_sequences: packed update passes (default: the config's)")
+    parser.add_argument("--attn-implementation", default=None, choices=["sdpa", "eager", "flex_attention", "flash_attention_2"],
+                        help="the senior's attention in the update (default: transformers'); with --pack-sequences, "
+                             "flex_attention masks packed sequences block-sparsely where sdpa takes a dense mask")
     parser.add_argument("--fused-kernels", default=None, choices=["auto", "liger", "off"],
                         help="memory.fused_kernels: Liger-Kernel's kernels in the update (default: the config's, auto)")
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="the device's dense bf16 TFLOP/s, for the update's MFU")
