@@ -16,7 +16,9 @@ process, so the event that opens the gap shows itself:
 Every event decodes the same prompts with the same seeds, so the same weights give the same tokens:
 each row also says what share of tokens equal the first event's. FastEngine's rollouts of them are scored first, as the reference. Every row prints the
 mean and max |rollout - train| over completion tokens, the mean by quarter of the completion, and
-the share of tokens more than 1 nat off.
+the share of tokens more than 1 nat off. ``--rescore`` then scores the last event's rollouts by
+vLLM's own prefill (teacher-forced, ``prompt_logprobs``) against the training forward, both at
+temperature 1: agreement there and not in the decoded log-probs points at vLLM's decode path.
 
     python benchmarks/vllm_logp_gap.py --shape qwen3-4b --rows 32 --tokens 1000 \
         --vllm-kwargs '{"kv_cache_gib": 24, "max_model_len": 4096}' --events fresh again sleep2 sleep1
@@ -62,6 +64,21 @@ def gap_summary(rollout: Rollout, train: Tensor) -> dict:
     }
 
 
+def vllm_teacher_forced(engine, rollout: Rollout) -> Tensor:  # -> [N, T]
+    """Each completion token's log-prob (temperature 1) from vLLM's prefill of prompt + completion
+    (``prompt_logprobs=0``: the given token's own), one request per row."""
+    written = rollout.completion_mask
+    rows = [ids[mask.bool()].tolist() + done[keep].tolist() for ids, mask, done, keep in
+            zip(rollout.prompt_ids.cpu(), rollout.prompt_mask.cpu(), rollout.completion_ids.cpu(), written.cpu())]
+    params = engine.vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+    outputs = engine.llm.generate([{"prompt_token_ids": row} for row in rows], params, use_tqdm=False)
+    scores = torch.zeros(written.shape, dtype=torch.float32)
+    for r, (row, out) in enumerate(zip(rows, outputs)):
+        start = len(row) - int(written[r].sum())
+        scores[r, : len(row) - start] = torch.tensor([out.prompt_logprobs[i][row[i]].logprob for i in range(start, len(row))])
+    return scores.to(written.device)
+
+
 def report(name: str, summary: dict) -> None:
     print(f"{name:<12} same tokens {summary.get('same_tokens_as_first', float('nan')):.3f}  gap mean {summary['mean']:.4f} max {summary['max']:.3f} >1 nat {summary['over_1_nat']:.3%}  "
           f"by quarter {' '.join(f'{g:.4f}' for g in summary['by_quarter'])}  "
@@ -82,6 +99,8 @@ def main() -> None:
     parser.add_argument("--vllm-kwargs", default='{"kv_cache_gib": 24, "max_model_len": 4096}',
                         help="VLLMEngine arguments, JSON")
     parser.add_argument("--events", nargs="+", default=["fresh", "again", "sleep2", "sleep1"], choices=EVENTS)
+    parser.add_argument("--rescore", action="store_true",
+                        help="also teacher-force the last event's rollouts inside vLLM (its prefill) at temperature 1")
     parser.add_argument("--no-fast-engine", action="store_true", help="skip FastEngine's reference row")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
@@ -140,6 +159,14 @@ def main() -> None:
         first = first if step else rollout.completion_ids
         results[name]["same_tokens_as_first"] = float((rollout.completion_ids == first).float().mean())
         report(name, results[name])
+    if args.rescore:
+        # the last event's rollouts teacher-forced inside vLLM (its prefill path, not the decode
+        # graphs), at temperature 1, against the training forward at temperature 1: if these agree
+        # while the decoded log-probs do not, vLLM's decode path is what differs
+        rescored = Rollout(**{**vars(rollout), "senior_logprobs": vllm_teacher_forced(engine, rollout)})
+        results["vLLM prefill rescoring (temperature 1)"] = summary = gap_summary(
+            rescored, forward_logprobs(model, rescored, 1.0, True, args.micro))
+        report("vLLM rescore", summary)
     print(f"done in {time.perf_counter() - started:.0f} s", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
