@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import random
 import time
 
 import torch
 
-from benchmarks.rollout import QWEN3_4B, build_qwen3, synthetic_tokenizer
+from benchmarks.rollout import QWEN3_4B, build_qwen3, draw_budgets, synthetic_tokenizer
 from tandem_lit.rollout.handoff import SoloHandoff
 from tandem_lit.rollout.record import PromptBatch
 from tandem_lit.rollout.sampling import SamplingConfig, sequence_seeds
@@ -35,17 +33,12 @@ VOCAB = 151936
 GIB = 2**30
 
 
-def lognormal_budgets(rows: int, median: int, sigma: float, cap: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [max(8, min(cap, int(rng.lognormvariate(math.log(median), sigma)))) for _ in range(rows)]
-
-
-def random_prompts(rows: int, length: int, seed: int, budgets: list[int] | None = None) -> PromptBatch:
+def random_prompts(rows: int, length: int, seed: int, budgets: torch.Tensor | None = None) -> PromptBatch:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1000, VOCAB - 1000, (rows, length), generator=g)
     batch = PromptBatch(ids, torch.ones_like(ids), sequence_seeds(seed, 0, rows))
     if budgets is not None:
-        batch.max_new_tokens = torch.tensor(budgets)  # (PromptBatch's per-row budget field)
+        batch.max_new_tokens = budgets  # (PromptBatch's per-row budget field)
     return batch
 
 
@@ -92,7 +85,8 @@ def main() -> None:
 
     probe, greedy = random_prompts(4, args.prompt, seed=1), SamplingConfig(temperature=0.0, max_new_tokens=32)
     reference = engine.generate(probe, SoloHandoff(), greedy)  # also the warm-up
-    budgets = lognormal_budgets(args.rows, args.median, args.sigma, args.cap, seed=0)
+    # the draw every benchmark shares (benchmarks/rollout.py), so rows compare across scripts
+    budgets = draw_budgets({"median": args.median, "sigma": args.sigma, "cap": args.cap}, args.rows, seed=0)
     batch = random_prompts(args.rows, args.prompt, seed=0, budgets=budgets)
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=args.cap, ignore_eos=True)
     torch.cuda.synchronize()
