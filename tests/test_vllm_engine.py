@@ -489,3 +489,16 @@ def test_the_memory_plan_counts_a_kv_cache_given_in_gib_at_that_size(stand_in_vl
     assert VLLMEngine(kv_cache_gib=2.5).kv_pool_size() == (None, 2.5)
     assert VLLMEngine(kv_cache_gib="plan").kv_pool_size() == (None, None)  # the plan's own number
     assert VLLMEngine().kv_pool_size() == (None, None)  # gpu_memory_utilization: the batch's estimate
+
+
+@gpu
+def test_gpu_with_cuda_graphs_rows_of_different_budgets_keep_their_logprobs(repo_root):
+    """tests/vllm_graphs_check.py in a process of its own (vLLM holds one engine per process, and
+    this module's is eager): graphs and torch.compile on, rows finishing at different steps."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, str(repo_root / "tests" / "vllm_graphs_check.py")],
+                          capture_output=True, text=True, timeout=600)
+    print(done.stdout[-2000:])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "vllm graphs ok" in done.stdout
