@@ -492,7 +492,7 @@ def test_the_memory_plan_counts_a_kv_cache_given_in_gib_at_that_size(stand_in_vl
 
 
 @gpu
-def test_gpu_with_cuda_graphs_rows_of_different_budgets_keep_their_logprobs(repo_root):  # to 3,000 tokens
+def test_gpu_with_cuda_graphs_rows_of_different_budgets_keep_their_logprobs(repo_root):
     """tests/vllm_graphs_check.py in a process of its own (vLLM holds one engine per process, and
     this module's is eager): graphs and torch.compile on, rows finishing at different steps."""
     import subprocess
