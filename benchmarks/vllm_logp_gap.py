@@ -14,9 +14,11 @@ process, so the event that opens the gap shows itself:
     autocast-unguarded   the same with VLLMEngine's ``outside_autocast`` taken out (what it fixes)
 
 Every event decodes the same prompts with the same seeds, so the same weights give the same tokens:
-each row also says what share of tokens equal the first event's. FastEngine's rollouts of them are scored first, as the reference. Every row prints the
-mean and max |rollout - train| over completion tokens, the mean by quarter of the completion, and
-the share of tokens more than 1 nat off. ``--rescore`` then scores the last event's rollouts by
+each row also says what share of tokens equal the first event's. FastEngine's rollouts of them are
+scored first, as the reference. Every row prints the mean and max |rollout - train| over
+completion tokens, the mean by quarter of the completion, and the share of tokens more than 1 nat
+off. ``--lengths lognormal`` gives rows their own budgets (rows finish at different steps, as in
+training); ``--copies n`` decodes each prompt n times (vLLM's prefix cache shares it). ``--rescore`` then scores the last event's rollouts by
 vLLM's own prefill (teacher-forced, ``prompt_logprobs``) against the training forward, both at
 temperature 1: agreement there and not in the decoded log-probs points at vLLM's decode path.
 
