@@ -68,6 +68,12 @@ SHAPES = {
 }
 
 
+def mean_by_quarter(gap: Tensor, written: Tensor) -> list[float]:
+    """The mean of ``gap`` [N, T] over the written tokens of each quarter of the completion's width."""
+    quarters = torch.arange(gap.shape[1], device=gap.device) * 4 // gap.shape[1]
+    return [float(gap[written & (quarters == q)].mean()) for q in range(4)]
+
+
 class NullTokenizer:
     """What an engine needs of a tokenizer when nothing is read as text (random weights)."""
 
@@ -281,9 +287,7 @@ def main() -> None:
             row[against] = (float(gap.mean()), float(gap.max()))
         table[name] = row
         print(f"{name:<40}" + "".join(f"{row[c][0]:>17.4f}{row[c][1]:>7.3f}" for c in columns))
-    quarters = torch.arange(mask.shape[1], device=mask.device) * 4 // mask.shape[1]
-    gap = (scores["engine"] - scores["train"]).abs()
-    by_quarter = [float(gap[mask & (quarters == q)].mean()) for q in range(4)]
+    by_quarter = mean_by_quarter((scores["engine"] - scores["train"]).abs(), mask)
     print("engine vs train by quarter of the completion: " + " ".join(f"{g:.4f}" for g in by_quarter))
     layers = per_layer_errors(model, copy_, rollout, args.micro) if args.per_layer else None
     if layers:

@@ -41,7 +41,7 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.logp_gap import SHAPES, NullTokenizer, build, engine_rollout, forward_logprobs, prompts  # noqa: E402
+from benchmarks.logp_gap import SHAPES, NullTokenizer, build, engine_rollout, forward_logprobs, mean_by_quarter, prompts  # noqa: E402
 from benchmarks.rollout import draw_budgets, parse_lengths  # noqa: E402
 from tandem_lit.rollout.handoff import SoloHandoff  # noqa: E402
 from tandem_lit.rollout.record import PromptBatch, Rollout  # noqa: E402
@@ -54,13 +54,12 @@ EVENTS = ("fresh", "again", "reload", "sleep1", "sleep2", "autocast", "autocast-
 def gap_summary(rollout: Rollout, train: Tensor) -> dict:
     mask = rollout.completion_mask
     gap = (rollout.senior_logprobs.float() - train).abs()
-    quarters = torch.arange(mask.shape[1], device=mask.device) * 4 // mask.shape[1]
     by_row = [float(gap[r][mask[r]].mean()) for r in range(mask.shape[0])]
     return {
         "mean": float(gap[mask].mean()),
         "max": float(gap[mask].max()),
         "over_1_nat": float((gap[mask] > 1).float().mean()),
-        "by_quarter": [float(gap[mask & (quarters == q)].mean()) for q in range(4)],
+        "by_quarter": mean_by_quarter(gap, mask),
         "worst_rows": sorted(range(len(by_row)), key=lambda r: -by_row[r])[:4],
         "row_means": [round(g, 4) for g in by_row],
     }

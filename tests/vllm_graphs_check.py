@@ -18,6 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.logp_gap import mean_by_quarter  # noqa: E402
 from tandem_lit.models.tiny import char_tokenizer  # noqa: E402
 from tandem_lit.rollout.handoff import SoloHandoff  # noqa: E402
 from tandem_lit.rollout.logprobs import completion_logprobs  # noqa: E402
@@ -56,8 +57,7 @@ def main() -> None:
                               for i in range(0, len(BUDGETS), 4)]).float()
     written = rollout.completion_mask
     gap = (rollout.senior_logprobs.float() - expected).abs()
-    quarters = torch.arange(gap.shape[1], device=gap.device) * 4 // gap.shape[1]
-    by_quarter = [float(gap[written & (quarters == q)].mean()) for q in range(4)]
+    by_quarter = mean_by_quarter(gap, written)
     mean, largest = float(gap[written].mean()), float(gap[written].max())
     print(f"vLLM (CUDA graphs) vs the bf16 forward: gap mean {mean:.4f} max {largest:.3f}; by quarter "
           + " ".join(f"{g:.4f}" for g in by_quarter))
