@@ -30,7 +30,7 @@ EDGES = (0, 128, 512, 1024, 1536, 2048, 2560, 3072, 4096, 1 << 30)
 def rows_of(dump: dict) -> list[dict]:
     """One entry per scored row: its senior tokens' positions and both sides' log-probs."""
     rows = []
-    for p in dump["passes"]:
+    for number, p in enumerate(dump["passes"]):
         if p["engine_logprobs"] is None:
             continue
         prompt_lengths = p["prompt_mask"].sum(-1)
@@ -39,7 +39,8 @@ def rows_of(dump: dict) -> list[dict]:
             if not senior.any():
                 continue
             rows.append({"engine": p["engine_logprobs"][r], "train": p["train_logprobs"][r], "senior": senior,
-                         "prompt": int(prompt_lengths[r]), "length": int((p["author"][r] != Author.PAD).sum())})
+                         "prompt": int(prompt_lengths[r]), "length": int((p["author"][r] != Author.PAD).sum()),
+                         "pass": number})
     return rows
 
 
@@ -77,6 +78,10 @@ def main() -> None:
     difference = torch.cat(signed)  # engine - train: one-sided when a side renormalises (top-k/top-p) or rescales
     print(f"engine - train: mean {float(difference.mean()):+.4f}, positive for {float((difference > 0).float().mean()):.1%} "
           "of tokens")
+    passes = torch.cat([torch.full_like(g, row["pass"], dtype=torch.long) for g, row in zip(gaps, rows)])
+    print("by update pass (warm-up steps first; a gap that appears only after an update points at the weight "
+          "push): " + "  ".join(f"#{n}: {float(gap[passes == n].mean()):.3f} ({int((passes == n).sum())})"
+                                for n in sorted(set(passes.tolist()))))
     bucketed(gap, completion_at, "by position in the completion")
     bucketed(gap, absolute_at, "by absolute position (prompt + completion)")
     per_row = sorted(((float(g.mean()), i, row["prompt"], row["length"]) for i, (g, row) in enumerate(zip(gaps, rows))),

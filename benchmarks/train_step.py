@@ -326,6 +326,11 @@ class StepReport(L.Callback):
         seconds = time.perf_counter() - self.started
         if batch_idx >= self.warmup:
             self.report(module, seconds)
+        else:  # unreported, but a gap there (before any update reached the engine) narrows a gap's cause
+            row = module.history[-1]
+            say(f"{self.arm:>7} warm-up step {batch_idx + 1}: {seconds:.1f} s; logp gap mean "
+                f"{row.get('train/rollout_logp_gap_mean', float('nan')):.4f} max "
+                f"{row.get('train/rollout_logp_gap_max', float('nan')):.3f}")
 
     def report(self, module, seconds: float) -> None:
         row = module.history[-1]

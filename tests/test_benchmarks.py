@@ -40,6 +40,7 @@ def test_train_step_benchmark_with_lognormal_lengths_trains_on_each_rollouts_own
         cwd=repo_root, capture_output=True, text=True, timeout=600,
     )
     assert run.returncode == 0, run.stderr[-3000:]
+    assert "grpo warm-up step 1: " in run.stdout and "logp gap mean 0.0000" in run.stdout
     (step,) = json.loads(out.read_text())["arms"]["grpo"]["steps"]
     assert 1 <= step["response_length"] < 12  # a median-6 draw capped at 16, not the fixed 16
     # the dumped passes take the step's gap apart offline: float32 on the CPU, engine == forward
@@ -49,7 +50,9 @@ def test_train_step_benchmark_with_lognormal_lengths_trains_on_each_rollouts_own
     lines = report.stdout.splitlines()
     assert "gap mean 0.0000" in lines[0] and lines[1].startswith("engine - train: mean ")
     assert abs(float(lines[1].split()[4].rstrip(","))) < 1e-4
-    assert lines[2].startswith("by position in the completion: 0-128: 0.000")
+    passes = lines[2].split(": ", 1)[1].split("  ")  # the warm-up steps' passes and the measured one's
+    assert lines[2].startswith("by update pass") and len(passes) >= 2 and all(p.split()[1] == "0.000" for p in passes)
+    assert lines[3].startswith("by position in the completion: 0-128: 0.000")
     shifted = [float(line.split()[-1]) for line in lines if line.startswith("engine[t] vs train[t")]
     assert len(shifted) == 2 and min(shifted) > 0.01  # misaligned by a token, the two sides part
 
