@@ -156,6 +156,10 @@ class _StandInModel(nn.Module):
         return loaded
 
 
+def _autocast_on() -> bool:
+    return torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")
+
+
 class _StandInLLM:
     """The calls VLLMEngine makes on ``vllm.LLM``, answered by transformers on CPU (greedy only)."""
 
@@ -166,13 +170,16 @@ class _StandInLLM:
         self.model = _StandInModel(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model)).float().eval())
         self.asleep: set[str] = set()
         self.calls: list[str] = []
+        self.under_autocast = {"build": _autocast_on()}  # call -> whether any autocast was on during it
 
     def apply_model(self, fn):
         self.calls.append("apply_model")
+        self.under_autocast["apply_model"] = _autocast_on()
         return [fn(self.model)]
 
     def sleep(self, level: int = 1):
         self.calls.append(f"sleep{level}")
+        self.under_autocast["sleep"] = _autocast_on()
         if level == 2:  # its weights are gone: decoding them now would be garbage
             for param in self.model.parameters():
                 param.data.fill_(float("nan"))
@@ -180,6 +187,7 @@ class _StandInLLM:
 
     def wake_up(self, tags=None):
         self.calls.append(f"wake_up{tags}")
+        self.under_autocast["wake_up"] = _autocast_on()
         self.asleep -= set(tags or self.asleep)
 
     def reset_prefix_cache(self):
@@ -189,6 +197,7 @@ class _StandInLLM:
     def generate(self, prompts, params, use_tqdm=True):
         assert not self.asleep, "generate on a sleeping engine"
         self.calls.append("generate")
+        self.under_autocast["generate"] = _autocast_on()
         outputs = []
         for prompt, p in zip(prompts, params):
             assert p.temperature == 0 and p.logprobs == 0 and not p.detokenize
@@ -235,6 +244,24 @@ def test_builds_vllm_from_the_config_with_dummy_weights_and_sleep_mode(stand_in_
     for name, param in senior.named_parameters():  # the dummy weights were replaced by the senior's
         torch.testing.assert_close(engine.llm.model.hf.get_parameter(name), param)
     assert VLLMEngine().gpu_memory_utilization == 0.3
+
+
+def test_vllm_is_built_loaded_woken_and_run_outside_the_trainers_autocast(stand_in_vllm, tokenizer):
+    """Lightning's bf16-mixed sets the engine up inside training_step's autocast. vLLM built under
+    it computed its rotary table with an autocast einsum in bf16 (positions rounded to 8 bits: on the
+    H200 a gap to the training forward growing with position, 1.25 nats mean at 3,000 tokens), so
+    no vLLM call may run under it: building, loading, sleeping, waking, decoding."""
+    senior = tiny_qwen3(len(tokenizer))
+    engine = VLLMEngine(rollout_dtype="float32", sleep_level=2)
+    prompts, greedy = prompt_batch(tokenizer, "cpu"), SamplingConfig(temperature=0.0, max_new_tokens=4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        engine.setup(senior, None, tokenizer)
+        engine.generate(prompts, SoloHandoff(), greedy)
+        engine.release()
+        engine.generate(prompts, SoloHandoff(), greedy)  # wakes, pushes the weights again, decodes
+    seen = engine.llm.under_autocast
+    assert seen.keys() == {"build", "apply_model", "sleep", "wake_up", "generate"}
+    assert not any(seen.values()), seen
 
 
 def test_greedy_rollouts_are_hf_engines(stand_in_vllm, tokenizer):

@@ -30,6 +30,7 @@ vLLM is an optional extra (``pip install 'tandem-lit[vllm]'``, vLLM 0.24.0: torc
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import os
@@ -121,11 +122,17 @@ def start_utilization(kv_cache_gib: float, weight_bytes: int, device: torch.devi
     return (free - GIB // 2) / total
 
 
+@contextlib.contextmanager
 def outside_autocast():
-    """Where vLLM runs: never under the trainer's autocast. Lightning's bf16-mixed wraps
-    ``training_step`` (and so the rollout phase) in ``torch.autocast``, which vLLM's own forward
-    does not expect; FastEngine turns it off the same way."""
-    return torch.autocast("cuda", enabled=False)
+    """Where vLLM runs, is built, loads and wakes: never under the trainer's autocast.
+    Lightning's bf16-mixed wraps ``training_step`` (and so the rollout phase, where the engine is
+    first set up) in ``torch.autocast``, which vLLM does not expect: built under it, vLLM computed
+    its rotary cos/sin table with an autocast einsum, in bf16, so position p was rotated as if at p
+    rounded to 8 significant bits (3,000 as 3,008): a gap to the training forward that grew with
+    the position, 1.25 nats on average at 3,000-token rollouts (issue 25). FastEngine turns
+    autocast off the same way. Also a decorator."""
+    with torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
+        yield
 
 
 class VLLMEngine(RolloutEngine):
@@ -201,6 +208,7 @@ class VLLMEngine(RolloutEngine):
 
     # ------------------------------------------------------------------------------ weights
 
+    @outside_autocast()
     def bind_senior(self, trained: nn.Module) -> None:
         """Build vLLM for ``trained``'s architecture (once per process) and load its weights."""
         self.trained_senior = trained
@@ -221,6 +229,7 @@ class VLLMEngine(RolloutEngine):
     def decodes_copy(self) -> bool:
         return True  # always vLLM's own copy
 
+    @outside_autocast()
     def load_weights(self, named_tensors) -> int:
         """Copy (name, tensor) pairs in the plain model's names into vLLM's model, in place; they
         must cover the model exactly. Wakes the weights first if ``release`` put them to sleep."""
@@ -245,6 +254,7 @@ class VLLMEngine(RolloutEngine):
 
     # ------------------------------------------------------------------------------ memory
 
+    @outside_autocast()
     def release(self) -> None:
         """Put vLLM to sleep (``sleep_level``), so a training update can use its memory."""
         if self.llm is None or self._asleep:
@@ -254,6 +264,7 @@ class VLLMEngine(RolloutEngine):
         self._weights_lost = self.sleep_level == 2
         torch.cuda.empty_cache()
 
+    @outside_autocast()
     def wake_up(self) -> None:
         """Map vLLM's memory back (weights first; the trained senior's pushed again if a level-2
         sleep dropped them), then the KV cache."""
