@@ -1,7 +1,9 @@
 """Where VLLMEngine's rollout-vs-train log-prob gap comes from (issue 25), on random weights.
 
 The GRPO config with VLLMEngine measured a gap of 1.23 nats (mean) where FastEngine's was 0.061 on
-the same step. This scores one vLLM engine's rollouts against the training forward (float32 master
+the same step; every event here stayed at FastEngine's 0.053, because the cause was the build: the
+training step built vLLM under Lightning's autocast, which put its rotary table in bf16 (fixed:
+docs/benchmarks.md; ``train_step.py --dump-logprobs`` and ``gap_report.py`` found it). This scores one vLLM engine's rollouts against the training forward (float32 master
 under bf16 autocast, as the update runs it) after each of a series of engine events, in one
 process, so the event that opens the gap shows itself:
 
