@@ -5,7 +5,7 @@ the update runs without flash-linear-attention) casts its inputs to float32, but
 autocast each of its matmuls rounds to bf16 again. ``rollout.logprobs.float32_delta_rule`` runs it
 with autocast off, as FastEngine runs its recurrence; on CUDA it runs ``models.delta_scan``'s rule
 instead, the chunk loop as two Triton kernels (``triton``). This times one call's forward +
-backward at the 9B's linear-attention shape (16 key heads, 32 value heads of 128), each way, counts
+backward at the 9B's linear-attention shape (32 value heads of 128, the key heads repeated to them), each way, counts
 the bytes autograd saves, and prints how far the Triton rule's output is from the float32 one.
 
     python benchmarks/delta_rule_cost.py --device cuda --tokens 4096 --rows 2
@@ -60,8 +60,10 @@ def main() -> None:
 
     torch.manual_seed(0)
     shape = (args.rows, args.tokens)
-    # as the layer hands them over: q, k, v from the bf16 convolution, g in float32, beta bf16
-    inputs = [torch.randn(*shape, 16, 128, dtype=torch.bfloat16), torch.randn(*shape, 16, 128, dtype=torch.bfloat16),
+    # as the layer hands them over: q, k, v from the bf16 convolution, g in float32, beta bf16; the 16
+    # key heads already repeated to the 32 value heads (transformers 5.17's layer repeats them before
+    # the rule, whose torch path needs equal heads; later versions repeat inside and take either)
+    inputs = [torch.randn(*shape, 32, 128, dtype=torch.bfloat16), torch.randn(*shape, 32, 128, dtype=torch.bfloat16),
               torch.randn(*shape, 32, 128, dtype=torch.bfloat16) * 0.05, -torch.rand(*shape, 32) * 2,
               torch.rand(*shape, 32, dtype=torch.bfloat16)]
     inputs = [x.to(args.device).requires_grad_() for x in inputs]

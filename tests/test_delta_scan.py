@@ -126,8 +126,10 @@ def test_the_triton_scan_equals_the_torch_scan_in_the_interpreter():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_compiled_rule_equals_transformers_at_the_9b_shape():
-    # Qwen3.5-9B's linear attention: 16 key heads, 32 value heads of 128; 2 rows of 1,000 tokens
-    inputs = layer_inputs(2, 1000, 16, 32, 128, 128, initial=True, device="cuda")
+    # Qwen3.5-9B's linear attention: 32 value heads of 128, its 16 key heads repeated to 32 before
+    # the rule (transformers 5.17's layer does that; later versions' rules repeat them inside and
+    # take either, so equal heads compare on both); 2 rows of 1,000 tokens
+    inputs = layer_inputs(2, 1000, 32, 32, 128, 128, initial=True, device="cuda")
     inputs["value"] = (inputs["value"] * 0.05).detach().requires_grad_()
     with torch.autocast("cuda", enabled=False):
         want_out, want_final, want_grads = output_and_grads(transformers_rule(), inputs)
