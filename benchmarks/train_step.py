@@ -149,6 +149,7 @@ def build_module(model_args: dict, arm: str, args, root: Path):
                                      ("gradient_checkpointing", args.gradient_checkpointing),
                                      ("micro_batch_tokens", args.micro_batch_tokens),
                                      ("pack_sequences", args.pack_sequences),
+                                     ("fill_passes", args.fill_passes),
                                      ("fused_kernels", args.fused_kernels),
                                      ("release_rollout_caches", args.release_rollout_caches)) if v is not None})
     init["memory"] = memory
@@ -499,6 +500,9 @@ def main() -> None:
     parser.add_argument("--strategy", default=None, choices=["fsdp"], help="fsdp: tandem_lit.training.distributed.FSDP2Strategy")
     parser.add_argument("--pack-sequences", action=argparse.BooleanOptionalAction, default=None,
                         help="memory.pack_sequences: packed update passes (default: the config's)")
+    parser.add_argument("--fill-passes", action=argparse.BooleanOptionalAction, default=None,
+                        help="memory.fill_passes: update passes filled to micro_batch_tokens, not capped at "
+                             "micro_batch_size rows (default: the config's)")
     parser.add_argument("--attn-implementation", default=None, choices=["sdpa", "eager", "flex_attention", "flash_attention_2"],
                         help="the senior's attention in the update (default: transformers'); with --pack-sequences, "
                              "flex_attention masks packed sequences block-sparsely where sdpa takes a dense mask")

@@ -13,8 +13,10 @@ from hypothesis import strategies as st
 from tandem_lit.data import GSM8KDataModule
 from tandem_lit.objectives import GRPO
 from tandem_lit.rollout import Author, Rollout, SamplingConfig
-from tandem_lit.training.memory import GIB, MemoryBudgetError, ModelShape, StepSettings, estimate_step_memory
+from tandem_lit.training.memory import GIB, LOGIT_CHUNK_BYTES, MemoryBudgetError, ModelShape, StepSettings, estimate_step_memory
+from tandem_lit.errors import ConfigError
 from tandem_lit.training.settings import MemorySettings
+from tandem_lit.training.update_phase import UpdatePhase
 from tandem_lit.verifiers.base import Grade, Verifier
 
 pytestmark = [
@@ -176,8 +178,9 @@ class SpaceVerifier(Verifier):
     completions=st.data(),
     rows_per_pass=st.integers(1, 5),
     limit=st.integers(1, 120),
+    fill=st.booleans(),
 )
-def test_micro_batches_cover_every_row_once_within_the_bounds(prompts, completions, rows_per_pass, limit):
+def test_micro_batches_cover_every_row_once_within_the_bounds(prompts, completions, rows_per_pass, limit, fill):
     lengths = completions.draw(st.lists(st.integers(1, 30), min_size=len(prompts), max_size=len(prompts)))
     n, width, p_width = len(prompts), max(lengths), max(prompts)
     prompt_mask = torch.tensor([[0] * (p_width - p) + [1] * p for p in prompts])
@@ -185,15 +188,47 @@ def test_micro_batches_cover_every_row_once_within_the_bounds(prompts, completio
     zeros = torch.zeros(n, dtype=torch.long)
     rollout = Rollout(prompt_mask, prompt_mask, author.long(), author, zeros.bool(), zeros.bool(), zeros, zeros, zeros)
     module = tiny_tandem_module(verifier=SpaceVerifier(), objective=GRPO(), micro_batch_size=rows_per_pass,
-                                memory=MemorySettings(micro_batch_tokens=limit))
+                                memory=MemorySettings(micro_batch_tokens=limit, fill_passes=fill))
     rows = torch.arange(n)
     batches = module.updates.micro_batches(rollout, rows)
     assert sorted(torch.cat(batches).tolist()) == list(range(n))
     for batch in batches:
         idx = batch.tolist()
         padded = len(idx) * (max(prompts[i] for i in idx) + max(lengths[i] for i in idx))
-        assert len(idx) <= rows_per_pass
+        assert fill or len(idx) <= rows_per_pass
         assert len(idx) == 1 or padded <= limit  # a single row may exceed the bound alone
+
+
+def test_fill_passes_puts_short_rows_together_up_to_the_token_bound():
+    """Long-tailed lengths: micro_batch_size rows a pass leaves short rows' passes mostly empty;
+    fill_passes fills each to micro_batch_tokens, and a long row still goes alone."""
+    prompts, lengths = [20] * 9, [80] * 8 + [380]  # eight rows of 100 tokens, one of 400
+    prompt_mask = torch.ones(9, 20, dtype=torch.long)
+    author = torch.tensor([[int(Author.SENIOR)] * c + [int(Author.PAD)] * (380 - c) for c in lengths], dtype=torch.int8)
+    zeros = torch.zeros(9, dtype=torch.long)
+    rollout = Rollout(prompt_mask, prompt_mask, author.long(), author, zeros.bool(), zeros.bool(), zeros, zeros, zeros)
+
+    def pass_sizes(fill: bool) -> list[int]:
+        module = tiny_tandem_module(verifier=SpaceVerifier(), objective=GRPO(), micro_batch_size=2,
+                                    memory=MemorySettings(micro_batch_tokens=400, fill_passes=fill))
+        return [len(b) for b in module.updates.micro_batches(rollout, torch.arange(9))]
+
+    assert pass_sizes(False) == [1, 2, 2, 2, 2]
+    assert pass_sizes(True) == [1, 4, 4]
+    with pytest.raises(ConfigError, match="fill_passes fills each pass up to memory.micro_batch_tokens"):
+        MemorySettings(fill_passes=True)
+
+
+def test_the_memory_plan_counts_a_filled_pass_at_the_token_bound():
+    def activations(**memory) -> float:
+        module = tiny_tandem_module(verifier=SpaceVerifier(), objective=GRPO(), micro_batch_size=1,
+                                    sampling=SamplingConfig(n=4, max_new_tokens=100), max_prompt_tokens=28,
+                                    memory=MemorySettings(**memory))
+        module.configure_model()
+        return module.memory_estimate(prompts_per_step=4).update["activations"] - LOGIT_CHUNK_BYTES
+
+    one_row = activations(micro_batch_tokens=1024)  # one row of 128 tokens a pass
+    assert activations(micro_batch_tokens=1024, fill_passes=True) == pytest.approx(one_row * 1024 / 128)
 
 
 def one_step_update(tmp_path, **settings) -> dict[str, torch.Tensor]:
@@ -226,6 +261,26 @@ def test_memory_settings_do_not_change_the_update(tmp_path, memory):
     assert any(float(d.abs().max()) > 0 for d in reference.values())
     for name, delta in reference.items():
         torch.testing.assert_close(changed[name], delta, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_filled_passes_give_the_update_of_one_row_a_pass(tmp_path, monkeypatch):
+    sizes = []
+    split = UpdatePhase.micro_batches
+
+    def recorded(self, rollout, rows):
+        batches = split(self, rollout, rows)
+        sizes.extend(len(b) for b in batches)
+        return batches
+
+    monkeypatch.setattr(UpdatePhase, "micro_batches", recorded)
+    reference = one_step_update(tmp_path / "reference", micro_batch_size=1)
+    assert set(sizes) == {1}
+    sizes.clear()
+    filled = one_step_update(tmp_path / "filled", micro_batch_size=1,
+                             memory=MemorySettings(micro_batch_tokens=10_000, fill_passes=True))
+    assert max(sizes) > 1  # rows shared passes beyond micro_batch_size
+    for name, delta in reference.items():
+        torch.testing.assert_close(filled[name], delta, atol=1e-6, rtol=1e-4, msg=name)
 
 
 def test_an_engine_with_its_own_kv_pool_is_counted_at_that_size():

@@ -347,8 +347,9 @@ def estimate_run_memory(
     per_call = max(1, (rollout.batch_size or step_rollouts) // n) * n
     sequence_tokens = (rollout.max_prompt_tokens or 512) + rollout.sampling.max_new_tokens
     micro_tokens = update.micro_batch_size * sequence_tokens
-    if memory.micro_batch_tokens is not None:
-        micro_tokens = min(micro_tokens, max(memory.micro_batch_tokens, sequence_tokens))
+    if memory.micro_batch_tokens is not None:  # a pass holds the bound's tokens (or one longer row)
+        bound = max(memory.micro_batch_tokens, sequence_tokens)
+        micro_tokens = bound if memory.fill_passes else min(micro_tokens, bound)
     settings = StepSettings(
         rollout_sequences=min(per_call, step_rollouts),
         sequence_tokens=sequence_tokens,

@@ -132,6 +132,12 @@ class MemorySettings:
         micro_batch_tokens: Bound each forward/backward pass by tokens (rows x padded length)
             as well as by ``micro_batch_size`` rows; rows are grouped by length. None: rows only.
             With ``pack_sequences`` the bound is the packed length (the sum of the rows' tokens).
+        fill_passes: With ``micro_batch_tokens``, put as many rows in each pass as its token
+            bound holds, ignoring ``micro_batch_size`` (verl's dynamic batch size): with
+            long-tailed response lengths the short rows then share a pass as one long row fills
+            it, instead of every pass holding ``micro_batch_size`` rows however short. Fewer,
+            larger passes; the same gradient (a sum over rows); the memory plan counts a pass at
+            the token bound either way. Off: at most ``micro_batch_size`` rows a pass.
         pack_sequences: Run each forward/backward pass of the update as one row of the
             micro-batch's sequences concatenated (prompt + completion, no padding), position ids
             restarting per sequence and attention kept within each sequence
@@ -153,6 +159,7 @@ class MemorySettings:
     offload_optimizer: bool = False
     gradient_checkpointing: bool = False
     micro_batch_tokens: int | None = None
+    fill_passes: bool = False
     pack_sequences: bool = False
     fused_kernels: FusedKernels = "auto"
     check: bool = True
@@ -160,6 +167,8 @@ class MemorySettings:
     def __post_init__(self) -> None:
         if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
             raise ConfigError(f"memory.micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
+        if self.fill_passes and self.micro_batch_tokens is None:
+            raise ConfigError("memory.fill_passes fills each pass up to memory.micro_batch_tokens: set that bound too")
         if self.fused_kernels not in ("auto", "liger", "off"):
             raise ConfigError(f"memory.fused_kernels must be 'auto', 'liger' or 'off', got {self.fused_kernels!r}")
 

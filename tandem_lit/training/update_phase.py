@@ -191,11 +191,14 @@ class UpdatePhase:
 
     def micro_batches(self, rollout: Rollout, rows: Tensor) -> list[Tensor]:
         """The rows of one update in forward/backward passes of at most ``micro_batch_size`` rows
-        and ``memory.micro_batch_tokens`` tokens, padded or packed (``memory.pack_by_tokens``).
-        The gradient is a sum over rows: grouping does not change it."""
+        (any number with ``memory.fill_passes``) and ``memory.micro_batch_tokens`` tokens, padded
+        or packed (``memory.pack_by_tokens``). The gradient is a sum over rows: grouping does not
+        change it."""
         size = self.settings.micro_batch_size
         if self.memory.micro_batch_tokens is None:
             return list(rows.split(size))
+        if self.memory.fill_passes:
+            size = len(rows)
         prompts, completions = rollout.prompt_mask.sum(-1)[rows].tolist(), rollout.lengths[rows].tolist()
         passes = pack_by_tokens(prompts, completions, size, self.memory.micro_batch_tokens, self.memory.pack_sequences)
         return [rows[torch.tensor(b, device=rows.device)] for b in passes]
