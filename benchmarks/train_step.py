@@ -162,6 +162,11 @@ def build_module(model_args: dict, arm: str, args, root: Path):
             init["engine"] = {"class_path": "VLLMEngine", "init_args": json.loads(args.vllm_kwargs or VLLM_DEFAULTS)}
         elif arm != "grpo-vllm" and configured:
             init.pop("engine")  # a vLLM config's tandem and FastEngine arms: the default engine
+    if args.kv_cache and arm != "grpo-vllm":  # FastEngine's KV layout (paged: a pool sized by the memory plan)
+        engine = init.get("engine") or {"class_path": "FastEngine"}
+        if not engine["class_path"].endswith("FastEngine"):
+            raise SystemExit(f"--kv-cache sets FastEngine's KV layout; the {arm} arm runs {engine['class_path']}")
+        init["engine"] = dict(engine, init_args=dict(engine.get("init_args") or {}, kv_cache=args.kv_cache))
     evaluation = init["evaluation"] = dict(init.get("evaluation") or {}, at_start=False, modes=["senior"])
     init["logging"] = dict(init.get("logging") or {}, completions_every_n_steps=0)
     if arm in ("grpo", "grpo-vllm"):
@@ -434,7 +439,8 @@ def run_arm(arm: str, model_args: dict, trainer_args: dict, args, root: Path, ba
     say(f"{arm:>7} memory estimate: {estimate.table()} (peak {estimate.peak / GIB:.1f} GiB); "
         f"fused kernels: {', '.join(module.updates.fused_kernels) or 'none'}")
     result = {"arm": arm, "steps": report.steps, "estimate_peak_gb": estimate.peak / GIB, "estimate": estimate.table(),
-              "engine": type(module.engine).__name__, "fused_kernels": list(module.updates.fused_kernels),
+              "engine": type(module.engine).__name__, "kv_cache": getattr(module.engine, "kv_cache", None),
+              "fused_kernels": list(module.updates.fused_kernels),
               "rollout_dtype": str(next(module.engine.senior.parameters()).dtype)}
     del module, trainer
     gc.collect()
@@ -496,6 +502,9 @@ def main() -> None:
     parser.add_argument("--release-rollout-caches", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--rollout-dtype", default=None, help="the engine's rollout_dtype (default: the config's engine)")
     parser.add_argument("--hf-engine", action="store_true", help="with --rollout-dtype: HFEngine instead of FastEngine")
+    parser.add_argument("--kv-cache", default=None, choices=["slots", "paged"],
+                        help="FastEngine's KV layout (default: the config's); paged: concurrency bounded by the tokens in "
+                             "use, the pool sized by the memory plan, so --rollout-batch-size can grow")
     parser.add_argument("--devices", type=int, default=1, help="processes (GPUs); > 1 needs --strategy fsdp")
     parser.add_argument("--strategy", default=None, choices=["fsdp"], help="fsdp: tandem_lit.training.distributed.FSDP2Strategy")
     parser.add_argument("--pack-sequences", action=argparse.BooleanOptionalAction, default=None,

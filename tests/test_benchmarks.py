@@ -32,16 +32,20 @@ def test_train_step_benchmark_tiny(repo_root, tmp_path):
 
 def test_train_step_benchmark_with_lognormal_lengths_trains_on_each_rollouts_own_budget(repo_root, tmp_path):
     """--lengths: each rollout's length is a draw keyed by its seed, so responses are shorter than
-    the cap on average and differ between rollouts, as real ones do."""
+    the cap on average and differ between rollouts, as real ones do (here decoded into a paged KV
+    cache, trained in passes filled to the token bound)."""
     out = tmp_path / "train_step.json"
     run = subprocess.run(
         [sys.executable, "benchmarks/train_step.py", "--device", "cpu", "--tiny", "--arms", "grpo", "--max-new-tokens", "16",
-         "--lengths", "lognormal:median=6,sigma=0.8,cap=16", "--json", str(out), "--dump-logprobs", str(tmp_path / "gap")],
+         "--lengths", "lognormal:median=6,sigma=0.8,cap=16", "--json", str(out), "--dump-logprobs", str(tmp_path / "gap"),
+         "--kv-cache", "paged", "--fill-passes", "--micro-batch-tokens", "512"],
         cwd=repo_root, capture_output=True, text=True, timeout=600,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "grpo warm-up step 1: " in run.stdout and "logp gap mean 0.0000" in run.stdout
-    (step,) = json.loads(out.read_text())["arms"]["grpo"]["steps"]
+    arm = json.loads(out.read_text())["arms"]["grpo"]
+    assert arm["kv_cache"] == "paged"  # --kv-cache reached FastEngine (the gap below: paged decoding is exact)
+    (step,) = arm["steps"]
     assert 1 <= step["response_length"] < 12  # a median-6 draw capped at 16, not the fixed 16
     # the dumped passes take the step's gap apart offline: float32 on the CPU, engine == forward
     report = subprocess.run([sys.executable, "benchmarks/gap_report.py", str(tmp_path / "gap.grpo.pt")],

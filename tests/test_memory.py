@@ -11,10 +11,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tandem_lit.data import GSM8KDataModule
+from tandem_lit.errors import ConfigError
 from tandem_lit.objectives import GRPO
 from tandem_lit.rollout import Author, Rollout, SamplingConfig
-from tandem_lit.training.memory import GIB, LOGIT_CHUNK_BYTES, MemoryBudgetError, ModelShape, StepSettings, estimate_step_memory
-from tandem_lit.errors import ConfigError
+from tandem_lit.training.memory import (
+    GIB,
+    LOGIT_CHUNK_BYTES,
+    MemoryBudgetError,
+    ModelShape,
+    StepSettings,
+    estimate_step_memory,
+)
 from tandem_lit.training.settings import MemorySettings
 from tandem_lit.training.update_phase import UpdatePhase
 from tandem_lit.verifiers.base import Grade, Verifier
@@ -202,7 +209,7 @@ def test_micro_batches_cover_every_row_once_within_the_bounds(prompts, completio
 def test_fill_passes_puts_short_rows_together_up_to_the_token_bound():
     """Long-tailed lengths: micro_batch_size rows a pass leaves short rows' passes mostly empty;
     fill_passes fills each to micro_batch_tokens, and a long row still goes alone."""
-    prompts, lengths = [20] * 9, [80] * 8 + [380]  # eight rows of 100 tokens, one of 400
+    lengths = [80] * 8 + [380]  # completions: with 20-token prompts, eight rows of 100 tokens and one of 400
     prompt_mask = torch.ones(9, 20, dtype=torch.long)
     author = torch.tensor([[int(Author.SENIOR)] * c + [int(Author.PAD)] * (380 - c) for c in lengths], dtype=torch.int8)
     zeros = torch.zeros(9, dtype=torch.long)
