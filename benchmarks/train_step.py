@@ -56,6 +56,7 @@ from tandem_lit.training.memory import GIB  # noqa: E402
 from tandem_lit.verifiers.base import Grade, Verifier  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+H200_BYTES = 139 * GIB  # what torch.cuda reports as an H200's total memory, about
 VLLM_DEFAULTS = '{"sleep_level": 2, "kv_cache_gib": "plan", "max_model_len": 4096}'  # configs/rlvr/qwen3_4b_grpo_vllm.yaml
 
 # Architectures of the hub models the configs name (their config.json values that matter here)
@@ -166,7 +167,8 @@ def build_module(model_args: dict, arm: str, args, root: Path):
         engine = init.get("engine") or {"class_path": "FastEngine"}
         if not engine["class_path"].endswith("FastEngine"):
             raise SystemExit(f"--kv-cache sets FastEngine's KV layout; the {arm} arm runs {engine['class_path']}")
-        init["engine"] = dict(engine, init_args=dict(engine.get("init_args") or {}, kv_cache=args.kv_cache))
+        pool = {"kv_cache_gib": args.kv_cache_gib} if args.kv_cache_gib else {}
+        init["engine"] = dict(engine, init_args=dict(engine.get("init_args") or {}, kv_cache=args.kv_cache, **pool))
     evaluation = init["evaluation"] = dict(init.get("evaluation") or {}, at_start=False, modes=["senior"])
     init["logging"] = dict(init.get("logging") or {}, completions_every_n_steps=0)
     if arm in ("grpo", "grpo-vllm"):
@@ -454,6 +456,7 @@ def estimate_only(model_args: dict, trainer_args: dict, args, root: Path) -> Non
     device, rollouts in bf16 as on a GPU); with ``--devices N`` the senior sharded by FSDP2 over N
     GPUs, each rolling out its share of the prompts (``memory.estimate_step_memory``)."""
     from tandem_lit.training.distributed import rank_rows
+    from tandem_lit.training.memory import plan_kv_pool
 
     with torch.device("meta"):
         module = build_module(model_args, "tandem", args, root)
@@ -463,8 +466,10 @@ def estimate_only(model_args: dict, trainer_args: dict, args, root: Path) -> Non
         decode_dtype=torch.bfloat16, world=args.devices,
     )
     where = f"each of {args.devices} GPUs (FSDP2)" if args.devices > 1 else "one GPU"
+    if pool := plan_kv_pool(module.engine, estimate, H200_BYTES):  # as fit start sizes it on the device
+        print(f"on an H200: {pool}")
     print(f"estimate for {where}: {estimate.table()}")
-    print(f"peak_gb={estimate.peak / GIB:.1f} fits_h200={estimate.peak <= 139 * GIB} devices={args.devices}")
+    print(f"peak_gb={estimate.peak / GIB:.1f} fits_h200={estimate.peak <= H200_BYTES} devices={args.devices}")
     if args.devices > 1:  # what fit start refuses on several processes (distributed.check_several_processes)
         try:
             rank_rows(args.prompts, args.devices, 0, module.update_settings.mini_batch_size)
@@ -505,6 +510,8 @@ def main() -> None:
     parser.add_argument("--kv-cache", default=None, choices=["slots", "paged"],
                         help="FastEngine's KV layout (default: the config's); paged: concurrency bounded by the tokens in "
                              "use, the pool sized by the memory plan, so --rollout-batch-size can grow")
+    parser.add_argument("--kv-cache-gib", type=float, default=None,
+                        help="with --kv-cache paged: the pool's size (default: what the memory plan finds free)")
     parser.add_argument("--devices", type=int, default=1, help="processes (GPUs); > 1 needs --strategy fsdp")
     parser.add_argument("--strategy", default=None, choices=["fsdp"], help="fsdp: tandem_lit.training.distributed.FSDP2Strategy")
     parser.add_argument("--pack-sequences", action=argparse.BooleanOptionalAction, default=None,
