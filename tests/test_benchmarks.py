@@ -138,3 +138,27 @@ def test_update_flops_by_hand():
     assert update_flops(10, 6, 2, 1.0, [3, 1], [2, 4], []) == 1416
     # frozen weights (LoRA): no weight gradients, 2 x 272 + 600; plus an old-log-prob forward of row 1
     assert update_flops(10, 6, 2, 0.0, [3, 1], [2, 4], [1]) == 544 + 600 + 248
+
+
+def test_train_step_estimate_only_sizes_a_paged_pool_as_an_h200_would(repo_root, tmp_path):
+    """--estimate-only with --kv-cache paged: the pool gets what an H200 has free beside the rest of
+    the rollout phase (as fit start sizes it), or --kv-cache-gib; shapes only, no weights."""
+    from tandem_lit.models.tiny import char_tokenizer
+
+    tokenizer = tmp_path / "tokenizer"  # the estimate reads shapes, not texts: any tokenizer folder does
+    char_tokenizer().save_pretrained(tokenizer)
+
+    def estimate(*extra: str) -> list[str]:
+        run = subprocess.run(
+            [sys.executable, "benchmarks/train_step.py", "--config", "configs/rlvr/qwen3_4b_tandem.yaml", "--estimate-only",
+             "--tokenizer", str(tokenizer), "--kv-cache", "paged", "--rollout-batch-size", "128", *extra],
+            cwd=repo_root, capture_output=True, text=True, timeout=300,
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+        return run.stdout.splitlines()
+
+    free = estimate()
+    assert any(line.startswith("on an H200: paged KV pool: ") and "(what fits the GPU)" in line for line in free)
+    assert "fits_h200=True" in free[-1]  # 128 rows of prompt + cap would need ~141 GiB of KV alone
+    given = estimate("--kv-cache-gib", "64")
+    assert any("64.0 GiB (engine.kv_cache_tokens / kv_cache_gib)" in line for line in given)
