@@ -306,3 +306,32 @@ def test_an_engine_with_its_own_kv_pool_is_counted_at_that_size():
     assert module.memory_estimate(prompts_per_step=4).rollout["KV caches"] == int(0.01 * GIB) // per_token * per_token
     module.engine = FastEngine()  # slot caches: the batch's rows x their tokens
     assert module.memory_estimate(prompts_per_step=4).rollout["KV caches"] == 8 * 128 * per_token
+
+
+def test_forward_only_passes_match_the_busiest_rank(monkeypatch):
+    """Old and reference log-probs under FSDP: token-bounded passes differ in number between ranks
+    whose rows differ in length, and every forward gathers weights, so each rank runs as many
+    passes as the busiest (rows split further); the log-probs stay what one process computes."""
+    import tandem_lit.training.update_phase as update_phase
+
+    module = tiny_tandem_module(verifier=SpaceVerifier(), objective=GRPO(), micro_batch_size=4,
+                                memory=MemorySettings(micro_batch_tokens=10_000))
+    module.configure_model()
+    prompt = torch.ones(4, 3, dtype=torch.long)
+    author = torch.full((4, 5), int(Author.SENIOR), dtype=torch.int8)
+    zeros = torch.zeros(4, dtype=torch.long)
+    rollout = Rollout(prompt + 10, prompt, (torch.arange(20).reshape(4, 5) % 7) + 10, author,
+                      zeros.bool(), zeros.bool(), zeros, zeros, zeros, texts=["x"] * 4)
+    passes = []
+
+    def counted(part):
+        passes.append(part.completion_ids.shape[0])
+        return module.updates.sequence_logprobs(module.senior, part)
+
+    alone = module.updates.logprobs_by_rows(rollout, torch.device("cpu"), counted)
+    assert passes == [4]  # one process: the four rows fit one pass
+    passes.clear()
+    monkeypatch.setattr(update_phase, "max_over_ranks", lambda count, device: 3)  # another rank needs 3 passes
+    balanced = module.updates.logprobs_by_rows(rollout, torch.device("cpu"), counted, world=2)
+    assert sorted(passes) == [1, 1, 2]
+    torch.testing.assert_close(balanced, alone)

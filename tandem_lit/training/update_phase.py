@@ -86,8 +86,8 @@ class UpdatePhase:
         # yet: with one update that is all of them); the later mini-batches' are computed here,
         # before the first update changes the weights
         later = torch.cat(updates[1:]) if len(updates) > 1 else None
-        old_logp = self.behaviour_logprobs(rollout, device, later) if self.objective.uses_old_logp and later is not None else None
-        ref_logp = self.reference_logprobs(rollout, device) if self.objective.uses_reference else None
+        old_logp = self.behaviour_logprobs(rollout, device, later, world) if self.objective.uses_old_logp and later is not None else None
+        ref_logp = self.reference_logprobs(rollout, device, world) if self.objective.uses_reference else None
         gap = LogprobGap()
         if old_logp is not None and rollout.senior_logprobs is not None:
             gap.add(old_logp[later], rollout.senior_logprobs[later], rollout.author[later])
@@ -217,28 +217,35 @@ class UpdatePhase:
         return completion_logprobs(model, rollout, temperature, packed=self.memory.pack_sequences, fused=self.fused_logprobs)
 
     @torch.no_grad()
-    def behaviour_logprobs(self, rollout: Rollout, device: torch.device, rows: Tensor | None = None) -> Tensor:  # -> [N, T]
+    def behaviour_logprobs(self, rollout: Rollout, device: torch.device, rows: Tensor | None = None,
+                           world: int = 1) -> Tensor:  # -> [N, T]
         """Senior log-probs before any update of this step (the ratio's denominator), of ``rows``
         (None: all; other rows stay 0)."""
-        return self.logprobs_by_rows(rollout, device, lambda part: self.sequence_logprobs(self.senior, part), rows)
+        return self.logprobs_by_rows(rollout, device, lambda part: self.sequence_logprobs(self.senior, part), rows, world)
 
     @torch.no_grad()
-    def reference_logprobs(self, rollout: Rollout, device: torch.device) -> Tensor:  # -> [N, T]
+    def reference_logprobs(self, rollout: Rollout, device: torch.device, world: int = 1) -> Tensor:  # -> [N, T]
         """Log-probs under the reference policy: the initial senior (LoRA disabled, or a frozen copy)."""
         if self.reference is not None:
-            return self.logprobs_by_rows(rollout, device, lambda part: self.sequence_logprobs(self.reference, part))
+            return self.logprobs_by_rows(rollout, device, lambda part: self.sequence_logprobs(self.reference, part), world=world)
         with self.senior.disable_adapter():
-            return self.logprobs_by_rows(rollout, device, lambda part: self.sequence_logprobs(self.senior, part))
+            return self.logprobs_by_rows(rollout, device, lambda part: self.sequence_logprobs(self.senior, part), world=world)
 
     def logprobs_by_rows(
         self, rollout: Rollout, device: torch.device, logprobs: Callable[[Rollout], Tensor], rows: Tensor | None = None,
+        world: int = 1,
     ) -> Tensor:  # -> [N, T]
         """``logprobs`` of ``rows`` (None: the whole batch) in micro-batches, padding columns
-        trimmed per pass; other rows stay 0."""
+        trimmed per pass; other rows stay 0. On ``world`` > 1 processes every rank runs as many
+        passes as the busiest (FSDP gathers weights in each forward: a rank with a pass fewer, as
+        token-bounded passes of other lengths make, would leave the others waiting)."""
         if rows is None:
             rows = torch.arange(rollout.completion_ids.shape[0], device=device)
         out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=device)
-        for micro in self.micro_batches(rollout, rows):
+        micros = self.micro_batches(rollout, rows)
+        if world > 1:
+            micros = balance(micros, max_over_ranks(len(micros), device))
+        for micro in micros:
             part = logprobs(rollout.select(micro).trimmed())
             out[micro, : part.shape[1]] = part.float()
         return out
