@@ -76,10 +76,11 @@ def test_a_paged_pool_is_counted_and_sized_to_what_fits():
     assert pooled.rollout["KV caches"] == 100_000 * 2 * 147_456
     assert plan_kv_pool(FastEngine(), slots, 141 * GIB) is None  # slot caches: nothing to plan
     engine = FastEngine(kv_cache="paged")
-    fit = (141 * GIB - (sum(slots.rollout.values()) - 128 * 3128 * 2 * 147_456)) // (2 * 147_456)
+    usable = int(141 * GIB * 0.95)  # 5% of the device left free: what the estimate does not count
+    fit = (usable - (sum(slots.rollout.values()) - 128 * 3128 * 2 * 147_456)) // (2 * 147_456)
     line = plan_kv_pool(engine, slots, 141 * GIB)
     assert engine.kv_cache_tokens == fit < 128 * 3128 and "what fits the GPU" in line
-    assert sum(slots.rollout.values()) <= 141 * GIB  # the rollout phase now fits
+    assert sum(slots.rollout.values()) <= usable  # the rollout phase now fits, with room to spare
     sized = FastEngine(kv_cache="paged", kv_cache_gib=20.0)
     assert "kv_cache_gib" in plan_kv_pool(sized, pooled, 141 * GIB) and sized.kv_cache_tokens is None
 

@@ -218,6 +218,9 @@ def estimate_step_memory(senior: ModelShape, junior: ModelShape | None, settings
     return MemoryEstimate(rollout=rollout, update=update, sync=sync, kv_bytes_per_token=per_token)
 
 
+POOL_HEADROOM = 0.05  # of the device, left free beside a paged pool sized to what fits (7 GiB of an H200)
+
+
 def plan_kv_pool(engine, estimate: MemoryEstimate, capacity: int) -> str | None:
     """Size a paged engine's KV pool (``FastEngine(kv_cache="paged")``) against the device, and say
     so: a pool the run left unsized defaults to the slot caches' size; when that does not fit,
@@ -225,7 +228,9 @@ def plan_kv_pool(engine, estimate: MemoryEstimate, capacity: int) -> str | None:
     running out of memory). ``estimate`` is updated. None for engines without a paged pool."""
     if getattr(engine, "kv_cache", None) != "paged":
         return None
-    fit = estimate.kv_tokens_that_fit(capacity)
+    # a pool sized to fill the estimate exactly would leave nothing for what it does not count
+    # (the allocator's fragmentation, the graphs of a larger batch ladder): keep a share free
+    fit = estimate.kv_tokens_that_fit(int(capacity * (1 - POOL_HEADROOM)))
     tokens = estimate.rollout["KV caches"] // max(estimate.kv_bytes_per_token, 1)
     sized_by = "engine.kv_cache_tokens / kv_cache_gib"
     if engine.kv_cache_tokens is None and engine.kv_cache_gib is None:
