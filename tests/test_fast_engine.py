@@ -306,3 +306,23 @@ def test_unsupported_architecture_fails_closed(tokenizer):
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=2))
     with pytest.raises(ConfigError, match="HFEngine"):
         FastEngine().setup(gpt2, None, tokenizer)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_engine_set_up_and_run_under_the_trainers_autocast_decodes_as_outside_it(tokenizer, device):
+    """The rollout phase sets the engine up inside training_step, under Lightning's bf16 autocast.
+    What the engine computes then (its rotary table, its fused copies) and how it decodes must not
+    change: vLLM built under it rotated positions by a bf16 table (issue 25's 1.25-nat gap)."""
+    senior = build("qwen3", len(tokenizer), 64, 2, seed=0).to(device)
+    junior = build("qwen3", len(tokenizer), 32, 1, seed=1).to(device)
+    prompts = prompt_batch(tokenizer, device)
+    sampling, policy = SamplingConfig(temperature=1.0, max_new_tokens=40, seed=3), WordHandoff(0.5)
+    plain = FastEngine(rollout_dtype="float32")
+    plain.setup(senior, junior, tokenizer)
+    expected = plain.generate(prompts, policy, sampling)
+    engine = FastEngine(rollout_dtype="float32")
+    with torch.autocast(device, dtype=torch.bfloat16):
+        engine.setup(senior, junior, tokenizer)
+        got = engine.generate(prompts, policy, sampling)
+    assert_same_rollouts(expected, got)
+    torch.testing.assert_close(got.senior_logprobs, expected.senior_logprobs, rtol=0, atol=0)
