@@ -180,6 +180,14 @@ class SpaceVerifier(Verifier):
         return Grade(correct=" " in completion, reward=float(" " in completion))
 
 
+def rows_of_lengths(prompts: list[int], completions: list[int]) -> Rollout:
+    """Rollouts with these prompt and completion lengths (left-padded prompts, senior-written)."""
+    width, p_width, zeros = max(completions), max(prompts), torch.zeros(len(prompts), dtype=torch.long)
+    prompt_mask = torch.tensor([[0] * (p_width - p) + [1] * p for p in prompts])
+    author = torch.tensor([[int(Author.SENIOR)] * c + [int(Author.PAD)] * (width - c) for c in completions], dtype=torch.int8)
+    return Rollout(prompt_mask, prompt_mask, author.long(), author, zeros.bool(), zeros.bool(), zeros, zeros, zeros)
+
+
 @settings(max_examples=50, deadline=None)
 @given(
     prompts=st.lists(st.integers(1, 20), min_size=1, max_size=12),
@@ -190,11 +198,7 @@ class SpaceVerifier(Verifier):
 )
 def test_micro_batches_cover_every_row_once_within_the_bounds(prompts, completions, rows_per_pass, limit, fill):
     lengths = completions.draw(st.lists(st.integers(1, 30), min_size=len(prompts), max_size=len(prompts)))
-    n, width, p_width = len(prompts), max(lengths), max(prompts)
-    prompt_mask = torch.tensor([[0] * (p_width - p) + [1] * p for p in prompts])
-    author = torch.tensor([[int(Author.SENIOR)] * c + [int(Author.PAD)] * (width - c) for c in lengths], dtype=torch.int8)
-    zeros = torch.zeros(n, dtype=torch.long)
-    rollout = Rollout(prompt_mask, prompt_mask, author.long(), author, zeros.bool(), zeros.bool(), zeros, zeros, zeros)
+    n, rollout = len(prompts), rows_of_lengths(prompts, lengths)
     module = tiny_tandem_module(verifier=SpaceVerifier(), objective=GRPO(), micro_batch_size=rows_per_pass,
                                 memory=MemorySettings(micro_batch_tokens=limit, fill_passes=fill))
     rows = torch.arange(n)
@@ -210,11 +214,7 @@ def test_micro_batches_cover_every_row_once_within_the_bounds(prompts, completio
 def test_fill_passes_puts_short_rows_together_up_to_the_token_bound():
     """Long-tailed lengths: micro_batch_size rows a pass leaves short rows' passes mostly empty;
     fill_passes fills each to micro_batch_tokens, and a long row still goes alone."""
-    lengths = [80] * 8 + [380]  # completions: with 20-token prompts, eight rows of 100 tokens and one of 400
-    prompt_mask = torch.ones(9, 20, dtype=torch.long)
-    author = torch.tensor([[int(Author.SENIOR)] * c + [int(Author.PAD)] * (380 - c) for c in lengths], dtype=torch.int8)
-    zeros = torch.zeros(9, dtype=torch.long)
-    rollout = Rollout(prompt_mask, prompt_mask, author.long(), author, zeros.bool(), zeros.bool(), zeros, zeros, zeros)
+    rollout = rows_of_lengths([20] * 9, [80] * 8 + [380])  # eight rows of 100 tokens and one of 400
 
     def pass_sizes(fill: bool) -> list[int]:
         module = tiny_tandem_module(verifier=SpaceVerifier(), objective=GRPO(), micro_batch_size=2,
