@@ -6,7 +6,8 @@ forward's) this prints the gap of the senior's tokens by position in the complet
 absolute position (prompt + completion), by row, the share of tokens more than 1 nat off and the
 signed difference (one-sided when a side renormalises, as top-k would); and
 two alignment checks: the engine's log-prob of token t against the training forward's of t-1 and
-t+1 (an off-by-one shows as a smaller gap there).
+t+1 (an off-by-one shows as a smaller gap there). A gap that grows with the absolute position gets
+a hint line: that is how a bf16 rotary table (vLLM built under autocast, issue 25) showed itself.
 
     python benchmarks/train_step.py ... --dump-logprobs /tmp/gap      # writes /tmp/gap.<arm>.pt
     python benchmarks/gap_report.py /tmp/gap.grpo-vllm.pt
@@ -93,6 +94,11 @@ def main() -> None:
         print(f"engine[t] vs train[t{shift:+d}]: mean {float(torch.cat(parts).mean()):.4f}")
     first = torch.stack([g[0] for g in gaps])
     print(f"first completion token: mean {float(first.mean()):.4f} max {float(first.max()):.3f}")
+    early, late = gap[absolute_at < 256], gap[absolute_at >= 1024]
+    if early.numel() and late.numel() and float(late.mean()) > 3 * float(early.mean()) + 0.02:
+        print(f"hint: the gap grows with the absolute position ({float(early.mean()):.3f} below 256, "
+              f"{float(late.mean()):.3f} from 1,024): the two sides place tokens differently. Look at the "
+              "rotary tables (one computed in bf16, as vLLM's was when built under autocast) and the position ids.")
 
 
 if __name__ == "__main__":

@@ -59,6 +59,26 @@ def test_train_step_benchmark_with_lognormal_lengths_trains_on_each_rollouts_own
     assert lines[3].startswith("by position in the completion: 0-128: 0.000")
     shifted = [float(line.split()[-1]) for line in lines if line.startswith("engine[t] vs train[t")]
     assert len(shifted) == 2 and min(shifted) > 0.01  # misaligned by a token, the two sides part
+    assert not any(line.startswith("hint:") for line in lines)
+
+
+def test_gap_report_points_at_positions_when_the_gap_grows_with_them(repo_root, tmp_path):
+    """A dump whose gap grows along the rows (as a bf16 rotary table made it) gets the hint; the
+    lognormal test above, with no gap, gets none."""
+    import torch
+
+    rows, width = 2, 1500
+    engine = -10 + torch.randn(rows, width, generator=torch.Generator().manual_seed(0))
+    drift = torch.linspace(0, 1.5, width).expand(rows, width)  # 0 at the first position, 1.5 nats at the last
+    dump = {"arm": "grpo-vllm", "passes": [{
+        "prompt_ids": torch.ones(rows, 8, dtype=torch.long), "prompt_mask": torch.ones(rows, 8, dtype=torch.long),
+        "completion_ids": torch.ones(rows, width, dtype=torch.long), "author": torch.full((rows, width), 2, dtype=torch.int8),
+        "engine_logprobs": engine, "train_logprobs": engine - drift, "temperature": None}]}
+    torch.save(dump, tmp_path / "gap.pt")
+    report = subprocess.run([sys.executable, "benchmarks/gap_report.py", str(tmp_path / "gap.pt")],
+                            cwd=repo_root, capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr[-3000:]
+    assert report.stdout.splitlines()[-1].startswith("hint: the gap grows with the absolute position")
 
 
 def test_train_step_benchmark_vllm_arm_without_vllm_is_one_line(repo_root):
