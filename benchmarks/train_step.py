@@ -56,7 +56,7 @@ from tandem_lit.training.memory import GIB  # noqa: E402
 from tandem_lit.verifiers.base import Grade, Verifier  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-H200_BYTES = 139 * GIB  # what torch.cuda reports as an H200's total memory, about
+H200_BYTES = 139 * GIB  # an H200's total memory as torch.cuda reports it (about)
 VLLM_DEFAULTS = '{"sleep_level": 2, "kv_cache_gib": "plan", "max_model_len": 4096}'  # configs/rlvr/qwen3_4b_grpo_vllm.yaml
 
 # Architectures of the hub models the configs name (their config.json values that matter here)

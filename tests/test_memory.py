@@ -275,8 +275,8 @@ def test_filled_passes_give_the_update_of_one_row_a_pass(tmp_path, monkeypatch):
     sizes = []
     split = UpdatePhase.micro_batches
 
-    def recorded(self, rollout, rows):
-        batches = split(self, rollout, rows)
+    def recorded(self, rollout, rows, world=1):
+        batches = split(self, rollout, rows, world)
         sizes.extend(len(b) for b in batches)
         return batches
 

@@ -95,11 +95,10 @@ class UpdatePhase:
         for index, rows in enumerate(updates):
             mask = allowed[rows] if allowed is not None else None
             scale = self.objective.loss_scale(rollout.author[rows], advantages[rows], self.sampling.max_new_tokens, mask)
-            micros = self.micro_batches(rollout, rows)
-            if world > 1:  # normalisers of the whole mini-batch; as many passes as the busiest rank
+            micros = self.micro_batches(rollout, rows, world)
+            if world > 1:  # normalisers of the whole mini-batch
                 weight_sum, sequences = all_reduce_sum([scale.weight_sum, scale.sequences], device)
                 scale = dataclasses.replace(scale, weight_sum=weight_sum, sequences=int(sequences))
-                micros = balance(micros, max_over_ranks(len(micros), device))
             optimizer.zero_grad(set_to_none=True)
             for micro in micros:
                 part = rollout.select(micro).trimmed()
@@ -189,19 +188,24 @@ class UpdatePhase:
             )
         return norm
 
-    def micro_batches(self, rollout: Rollout, rows: Tensor) -> list[Tensor]:
+    def micro_batches(self, rollout: Rollout, rows: Tensor, world: int = 1) -> list[Tensor]:
         """The rows of one update in forward/backward passes of at most ``micro_batch_size`` rows
         (any number with ``memory.fill_passes``) and ``memory.micro_batch_tokens`` tokens, padded
         or packed (``memory.pack_by_tokens``). The gradient is a sum over rows: grouping does not
-        change it."""
+        change it. On ``world`` > 1 processes every rank gets as many passes as the busiest (FSDP
+        gathers weights in each forward, trained or not: token-bounded passes differ in number
+        between ranks whose rows differ in length, and a rank a pass short would leave the others
+        waiting); the largest passes are split."""
         size = self.settings.micro_batch_size
         if self.memory.micro_batch_tokens is None:
-            return list(rows.split(size))
-        if self.memory.fill_passes:
-            size = len(rows)
-        prompts, completions = rollout.prompt_mask.sum(-1)[rows].tolist(), rollout.lengths[rows].tolist()
-        passes = pack_by_tokens(prompts, completions, size, self.memory.micro_batch_tokens, self.memory.pack_sequences)
-        return [rows[torch.tensor(b, device=rows.device)] for b in passes]
+            passes = list(rows.split(size))
+        else:
+            if self.memory.fill_passes:
+                size = len(rows)
+            prompts, completions = rollout.prompt_mask.sum(-1)[rows].tolist(), rollout.lengths[rows].tolist()
+            packed = pack_by_tokens(prompts, completions, size, self.memory.micro_batch_tokens, self.memory.pack_sequences)
+            passes = [rows[torch.tensor(b, device=rows.device)] for b in packed]
+        return balance(passes, max_over_ranks(len(passes), rollout.completion_ids.device)) if world > 1 else passes
 
     # ------------------------------------------------------------------------------ log-probs
 
@@ -236,16 +240,11 @@ class UpdatePhase:
         world: int = 1,
     ) -> Tensor:  # -> [N, T]
         """``logprobs`` of ``rows`` (None: the whole batch) in micro-batches, padding columns
-        trimmed per pass; other rows stay 0. On ``world`` > 1 processes every rank runs as many
-        passes as the busiest (FSDP gathers weights in each forward: a rank with a pass fewer, as
-        token-bounded passes of other lengths make, would leave the others waiting)."""
+        trimmed per pass; other rows stay 0. ``world``: as ``micro_batches``."""
         if rows is None:
             rows = torch.arange(rollout.completion_ids.shape[0], device=device)
         out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=device)
-        micros = self.micro_batches(rollout, rows)
-        if world > 1:
-            micros = balance(micros, max_over_ranks(len(micros), device))
-        for micro in micros:
+        for micro in self.micro_batches(rollout, rows, world):
             part = logprobs(rollout.select(micro).trimmed())
             out[micro, : part.shape[1]] = part.float()
         return out
