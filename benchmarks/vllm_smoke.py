@@ -47,8 +47,8 @@ def free_bytes() -> int:
     return torch.cuda.mem_get_info()[0]
 
 
-def report(rows: list[dict], **row) -> None:
-    rows.append(row)
+def report(measures: list[dict], **row) -> None:
+    measures.append(row)
     print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
 
 
