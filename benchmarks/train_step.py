@@ -167,8 +167,10 @@ def build_module(model_args: dict, arm: str, args, root: Path):
         engine = init.get("engine") or {"class_path": "FastEngine"}
         if not engine["class_path"].endswith("FastEngine"):
             raise SystemExit(f"--kv-cache sets FastEngine's KV layout; the {arm} arm runs {engine['class_path']}")
+        # the layout given here comes with its own pool size (--kv-cache-gib, else the memory plan's), not the config's
+        kept = {k: v for k, v in (engine.get("init_args") or {}).items() if k not in ("kv_cache_gib", "kv_cache_tokens")}
         pool = {"kv_cache_gib": args.kv_cache_gib} if args.kv_cache_gib else {}
-        init["engine"] = dict(engine, init_args=dict(engine.get("init_args") or {}, kv_cache=args.kv_cache, **pool))
+        init["engine"] = dict(engine, init_args=dict(kept, kv_cache=args.kv_cache, **pool))
     evaluation = init["evaluation"] = dict(init.get("evaluation") or {}, at_start=False, modes=["senior"])
     init["logging"] = dict(init.get("logging") or {}, completions_every_n_steps=0)
     if arm in ("grpo", "grpo-vllm"):
@@ -293,8 +295,12 @@ class StepReport(L.Callback):
     ``warmup`` steps run at ``warmup_tokens`` (Triton compilation, cuBLAS init, and the offload's
     pinned host buffers, allocated once at the first rollout after an update) and are not reported."""
 
-    def __init__(self, arm: str, warmup: int, warmup_tokens: int, bandwidth: float, prompts: int, peak_tflops: float):
+    def __init__(self, arm: str, warmup: int, warmup_tokens: int, bandwidth: float, prompts: int, peak_tflops: float,
+                 fixed_lengths: bool = True):
         self.arm, self.warmup, self.warmup_tokens, self.bandwidth, self.prompts = arm, warmup, warmup_tokens, bandwidth, prompts
+        # the roofline counts every row at the mean length of a fixed-length run: with per-row
+        # budgets rows finish early and a step reads less, so a share of it would mislead
+        self.fixed_lengths = fixed_lengths
         self.peak_tflops = peak_tflops
         self.steps: list[dict] = []
         self.full_tokens = None
@@ -368,10 +374,11 @@ class StepReport(L.Callback):
         step["update_mfu"] = flops / (step["update_seconds"] * self.peak_tflops * 1e12)
         step["update_trained_tokens"] = sum(shapes["prompts"]) + sum(shapes["completions"]) if shapes else 0
         self.steps.append(step)
+        roofline = (f" = {step['decode_roofline_share']:.0%} of roofline {step['roofline_ms']:.2f} ms" if self.fixed_lengths
+                    else "")
         say(f"{self.arm:>7} step {len(self.steps)}: {seconds:7.1f} s = rollout {step['rollout_seconds']:6.1f} s "
               f"(setup {step['setup_seconds']:.2f}, prefill {step['prefill_seconds']:.2f}, decode "
-              f"{step['decode_step_ms']:.2f} ms/step = {step['decode_roofline_share']:.0%} of roofline "
-              f"{step['roofline_ms']:.2f} ms; {step['rollout_tokens_per_second']:,.0f} tok/s; optimizer offload "
+              f"{step['decode_step_ms']:.2f} ms/step{roofline}; {step['rollout_tokens_per_second']:,.0f} tok/s; optimizer offload "
               f"{step['offload_seconds']:.1f} s) + update {step['update_seconds']:6.1f} s ({step['update_tflops']:.3g} "
               f"TFLOP over {step['update_trained_tokens']:,} tokens = {step['update_mfu']:.1%} MFU of {self.peak_tflops:g} "
               f"TFLOP/s); logp gap mean "
@@ -417,7 +424,8 @@ def budgets_for_seeds(lengths: dict, seeds: torch.Tensor, limit: int) -> torch.T
 def run_arm(arm: str, model_args: dict, trainer_args: dict, args, root: Path, bandwidth: float) -> dict:
     module = build_module(model_args, arm, args, root)
     data = ProblemRows(args.problems, batch_size=args.prompts, seed=0)
-    report = StepReport(arm, args.warmup_steps, min(32, module.sampling.max_new_tokens), bandwidth, args.prompts, args.peak_tflops)
+    report = StepReport(arm, args.warmup_steps, min(32, module.sampling.max_new_tokens), bandwidth, args.prompts, args.peak_tflops,
+                        fixed_lengths=args.lengths == "fixed")
     lengths = parse_lengths(args.lengths, args.tiny)
     if lengths is not None:  # random weights never end a sequence: each one's budget is its length
         sampling = module.sampling  # (StepReport shortens its max_new_tokens in warm-up steps)
