@@ -362,6 +362,8 @@ class StepReport(L.Callback):
             "peak_gb": row.get("train/peak_memory_gb", float("nan")),
             "device_used_gb": self.device_used,
             "offload_seconds": row.get("train/optimizer_offload_seconds", 0.0),
+            **{f"update_{part}_seconds": row.get(f"train/update_{part}_seconds", float("nan"))
+               for part in ("logprob", "passes", "optimizer")},
             "response_length": row["train/response_length"],
             "prompt_width": row.get("train/rollout_prompt_width", float("nan")),
         }
@@ -379,7 +381,9 @@ class StepReport(L.Callback):
         say(f"{self.arm:>7} step {len(self.steps)}: {seconds:7.1f} s = rollout {step['rollout_seconds']:6.1f} s "
               f"(setup {step['setup_seconds']:.2f}, prefill {step['prefill_seconds']:.2f}, decode "
               f"{step['decode_step_ms']:.2f} ms/step{roofline}; {step['rollout_tokens_per_second']:,.0f} tok/s; optimizer offload "
-              f"{step['offload_seconds']:.1f} s) + update {step['update_seconds']:6.1f} s ({step['update_tflops']:.3g} "
+              f"{step['offload_seconds']:.1f} s) + update {step['update_seconds']:6.1f} s (log-probs "
+              f"{step['update_logprob_seconds']:.1f} s, passes {step['update_passes_seconds']:.1f} s, optimizer "
+              f"{step['update_optimizer_seconds']:.1f} s; {step['update_tflops']:.3g} "
               f"TFLOP over {step['update_trained_tokens']:,} tokens = {step['update_mfu']:.1%} MFU of {self.peak_tflops:g} "
               f"TFLOP/s); logp gap mean "
               f"{step['logp_gap_mean']:.4f} max {step['logp_gap_max']:.3f}; peak {step['peak_gb']:.1f} GiB "

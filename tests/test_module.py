@@ -3,6 +3,8 @@ LoRA, micro-batching, teacher-forced log-probs, failing closed on authorship, an
 
 from __future__ import annotations
 
+import time
+
 import lightning as L
 import pytest
 import torch
@@ -263,3 +265,26 @@ def test_language_share_is_logged_for_training_rollouts_and_each_eval_mode(tmp_p
     assert 0.0 <= train["train/language_share"] <= 1.0 and 0.0 <= train["train/senior_language_share"] <= 1.0
     evaluated = next(row for row in module.history if "eval/senior_accuracy" in row)
     assert 0.0 <= evaluated["eval/senior_language_share"] <= 1.0 and 0.0 <= evaluated["eval/tandem_language_share"] <= 1.0
+
+
+def test_the_update_reports_the_time_of_each_of_its_parts(tmp_path, monkeypatch):
+    """train/update_{logprob,passes,optimizer}_seconds: each part charged with its own time. The
+    old-log-prob forward (two PPO mini-batches: the second's) is slowed by 0.3 s, so it must show
+    under logprob and nowhere else, and the parts add up to the update's time."""
+    from tandem_lit.objectives import GRPO
+    from tandem_lit.training.update_phase import UpdatePhase
+
+    behaviour = UpdatePhase.behaviour_logprobs
+
+    def slow_behaviour(self, *args, **kwargs):
+        time.sleep(0.3)
+        return behaviour(self, *args, **kwargs)
+
+    monkeypatch.setattr(UpdatePhase, "behaviour_logprobs", slow_behaviour)
+    module = tandem_module(objective=GRPO(), mini_batch_size=1)
+    fit(module, tmp_path, steps=2)  # one rollout step of 2 prompts = two updates
+    row = module.history[-1]
+    logprob, passes, optimizer = (row[f"train/update_{part}_seconds"] for part in ("logprob", "passes", "optimizer"))
+    assert row["train/updates"] == 2.0
+    assert 0.3 <= logprob < 0.3 + passes and passes > 0 and optimizer > 0
+    assert logprob + passes + optimizer <= row["train/update_seconds"] <= logprob + passes + optimizer + 0.5

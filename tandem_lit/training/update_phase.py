@@ -6,7 +6,8 @@
     -> per PPO mini-batch: micro-batches (rows, and tokens) -> teacher-forced log-probs
        -> objective loss -> backward; then clip, refuse a non-finite gradient, step
 
-The rollout-vs-train log-prob gap is measured on the way (``train/rollout_logp_gap_*``).
+The rollout-vs-train log-prob gap is measured on the way (``train/rollout_logp_gap_*``), and the
+time of each part (``train/update_{logprob,passes,optimizer}_seconds``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,30 @@ from tandem_lit.training.memory import OptimizerOffload, pack_by_tokens
 from tandem_lit.training.settings import MemorySettings, UpdateSettings
 
 log = logging.getLogger(__name__)
+
+
+class PhaseClock:
+    """Seconds spent in each part of an update, the device synchronised at every mark so that a
+    part is charged with its own kernels (a few marks per update: nothing beside its passes)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds: dict[str, float] = {}
+        self.last = self.now()
+
+    def now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def charge(self, part: str) -> None:
+        """The time since the last mark goes to ``part``."""
+        now = self.now()
+        self.seconds[part] = self.seconds.get(part, 0.0) + now - self.last
+        self.last = now
+
+    def metrics(self) -> dict[str, float]:
+        return {f"update_{part}_seconds": seconds for part, seconds in self.seconds.items()}
 
 
 class UpdatePhase:
@@ -69,6 +94,7 @@ class UpdatePhase:
     def run(self, result: RolloutResult, optimizer, device: torch.device, world: int = 1, step: int = 0) -> dict[str, float]:
         """The objective and the optimiser updates (one per mini-batch) on one batch of graded
         rollouts; returns the update's metrics. ``step``: the optimiser updates so far (for errors)."""
+        clock = PhaseClock(device)
         rollout, group = result.rollout, result.group.to(device)
         rewards = result.rewards.to(device)
         truncated = rollout.truncated.to(device)
@@ -88,6 +114,7 @@ class UpdatePhase:
         later = torch.cat(updates[1:]) if len(updates) > 1 else None
         old_logp = self.behaviour_logprobs(rollout, device, later, world) if self.objective.uses_old_logp and later is not None else None
         ref_logp = self.reference_logprobs(rollout, device, world) if self.objective.uses_reference else None
+        clock.charge("logprob")  # forward-only passes: the old and the reference log-probs
         gap = LogprobGap()
         if old_logp is not None and rollout.senior_logprobs is not None:
             gap.add(old_logp[later], rollout.senior_logprobs[later], rollout.author[later])
@@ -126,13 +153,16 @@ class UpdatePhase:
                 totals["loss"] = totals.get("loss", 0.0) + metrics.pop("loss") / len(updates)
                 for name, value in metrics.items():
                     totals[name] = totals.get(name, 0.0) + value * len(micro) / len(group)
+            clock.charge("passes")  # forward + backward
             totals["grad_norm"] = totals.get("grad_norm", 0.0) + self.clipped_norm(optimizer, step) / len(updates)
             if index == 0:
                 self.check_logp_gap_limit(gap, optimizer, device, world)
             optimizer.step()
+            clock.charge("optimizer")  # clipping and the step
         optimizer.zero_grad(set_to_none=True)  # no gradient memory held through the next rollouts
         totals["updates"] = float(len(updates))
         totals.update(gap.metrics())
+        totals.update(clock.metrics())
         self.check_logp_gap(totals)
         return totals
 
