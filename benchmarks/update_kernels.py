@@ -3,6 +3,7 @@
     python benchmarks/update_kernels.py                          # Qwen3-4B, 128 + 3,000 tokens per pass
     python benchmarks/update_kernels.py --model qwen35-9b --completion 2048
     python benchmarks/update_kernels.py --device cpu --tiny      # CPU check of this script (PyTorch only)
+    python benchmarks/update_kernels.py --completions 1100 1050 1000 --variants off liger  # a filled pass of unequal rows
 
 A pass is what ``UpdatePhase`` runs per micro-batch of ``configs/rlvr/qwen3_4b_tandem.yaml``
 (``micro_batch_tokens: 4096``: one sequence of a 128-token prompt and 3,000 completion tokens):
@@ -45,11 +46,16 @@ MODELS = {"qwen3-4b": (build_qwen3, QWEN3_4B, 151936), "qwen35-9b": (build_qwen3
 TRAINED, FORWARD_ONLY = 128, 64  # passes of one step of the paper config
 
 
-def synthetic_rollout(vocab: int, prompt: int, completion: int, rows: int, device: str) -> Rollout:
+def synthetic_rollout(vocab: int, prompt: int, completions: list[int], device: str) -> Rollout:
+    """Rows of ``prompt`` tokens and these completion lengths, right-padded to the longest (as
+    ``UpdatePhase``'s filled passes pad unequal rows: the attention then gets a padding mask)."""
     generator = torch.Generator().manual_seed(0)
+    rows, completion = len(completions), max(completions)
     prompt_ids = torch.randint(4, vocab, (rows, prompt), generator=generator)
     completion_ids = torch.randint(4, vocab, (rows, completion), generator=generator)
     author = torch.full((rows, completion), int(Author.SENIOR), dtype=torch.int8)
+    for row, length in enumerate(completions):
+        author[row, length:] = int(Author.PAD)
     tensors = (prompt_ids, torch.ones_like(prompt_ids), completion_ids, author, torch.ones(rows, dtype=torch.bool),
                torch.zeros(rows, dtype=torch.bool), *(torch.zeros(rows, dtype=torch.long),) * 3)
     return Rollout(*(t.to(device) for t in tensors), texts=[""] * rows)
@@ -111,6 +117,8 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--completion", type=int, default=3000)
     parser.add_argument("--rows", type=int, default=1, help="sequences per pass (the config's micro_batch_tokens allow one)")
+    parser.add_argument("--completions", type=int, nargs="+", default=None,
+                        help="one pass of rows of these completion lengths, padded to the longest (instead of --rows x --completion)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--variants", nargs="+", default=None, help="off, liger, or kernel names (default: all)")
     parser.add_argument("--peak-tflops", type=float, default=790.0)
@@ -124,12 +132,18 @@ def main() -> None:
     model = build(shape, vocab, torch.float32, args.device, seed=0).train().requires_grad_(True)
     kinds = liger.ARCHITECTURES[model.config.model_type].kernels
     variants = args.variants or (["off", *kinds, "liger"] if args.device == "cuda" else ["off"])
-    rollout = synthetic_rollout(vocab, args.prompt, args.completion, args.rows, args.device)
+    completions = args.completions or [args.completion] * args.rows
+    if args.tiny and args.completions:
+        completions = [max(1, round(c * args.completion / max(completions))) for c in completions]
+    rollout = synthetic_rollout(vocab, args.prompt, completions, args.device)
     step = Pass(model, rollout, args.device, autocast=args.device == "cuda")
-    lengths = dict(prompts=[args.prompt] * args.rows, completions=[args.completion] * args.rows)
+    lengths = dict(prompts=[args.prompt] * len(completions), completions=completions)
+    tokens = sum(completions) + args.prompt * len(completions)  # written tokens of a pass (padding excluded)
     trained_flops = update_flops(**flop_shape(model), **lengths, forward_only_rows=[])
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    print(f"# {args.model}{' (tiny)' if args.tiny else ''} on {name}: {args.rows} x ({args.prompt} + {args.completion}) "
+    shape_text = (f"{len(completions)} x ({args.prompt} + {completions[0]})" if len(set(completions)) == 1
+                  else f"{args.prompt} + ({', '.join(map(str, completions))}) padded to {max(completions)}")
+    print(f"# {args.model}{' (tiny)' if args.tiny else ''} on {name}: {shape_text} "
           f"tokens per pass, float32 weights{', bf16 autocast' if step.autocast else ''}; liger-kernel "
           f"{liger.liger_version() if liger.liger_missing() is None else 'not importable'}", flush=True)
 
@@ -155,8 +169,9 @@ def main() -> None:
             "kernels": list(kernels), "trained_ms": 1000 * trained, "forward_ms": 1000 * forward, "peak_gb": peak,
             "mfu": trained_flops / (trained * args.peak_tflops * 1e12), "update_s": TRAINED * trained + FORWARD_ONLY * forward,
             "logp_gap_mean": float(gap.mean()), "logp_gap_max": float(gap.max()),
+            "trained_ms_per_1k_tokens": 1e6 * trained / tokens,
         }
-        print(f"{variant:>9}: trained pass {row['trained_ms']:8.1f} ms ({row['mfu']:.1%} MFU of {args.peak_tflops:g} TFLOP/s), "
+        print(f"{variant:>9}: trained pass {row['trained_ms']:8.1f} ms ({row['trained_ms_per_1k_tokens']:.1f} ms per 1k tokens, {row['mfu']:.1%} MFU of {args.peak_tflops:g} TFLOP/s), "
               f"forward-only {row['forward_ms']:7.1f} ms, peak {peak:6.1f} GiB; config update ~{row['update_s']:6.1f} s "
               f"({TRAINED} + {FORWARD_ONLY} passes); |logp - off| mean {row['logp_gap_mean']:.2e} max {row['logp_gap_max']:.2e}",
               flush=True)

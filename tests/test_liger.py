@@ -150,10 +150,14 @@ def test_liger_kernels_equal_pytorch_in_float32():
     assert done.stdout.split() == ["llama-padded", "qwen3-packed", "qwen3_5-padded", "qwen3-lora-padded", "ok"]
 
 
-def test_update_kernels_benchmark_tiny():
+@pytest.mark.parametrize("shape", [[], ["--completions", "3000", "2000", "1000"]], ids=["one-row", "unequal-rows"])
+def test_update_kernels_benchmark_tiny(shape):
     """benchmarks/update_kernels.py end to end on the CPU (PyTorch's path only), so the script the
-    GPU numbers come from cannot rot unnoticed."""
-    run = subprocess.run([sys.executable, "benchmarks/update_kernels.py", "--device", "cpu", "--tiny"], cwd=REPO_ROOT,
+    GPU numbers come from cannot rot unnoticed; with --completions, one pass of unequal rows padded
+    to the longest (scaled to the tiny model's 24 tokens)."""
+    run = subprocess.run([sys.executable, "benchmarks/update_kernels.py", "--device", "cpu", "--tiny", *shape], cwd=REPO_ROOT,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "off: trained pass" in run.stdout and run.stdout.strip().splitlines()[-1].startswith("off_update_s=")
+    if shape:
+        assert "8 + (24, 16, 8) padded to 24 tokens per pass" in run.stdout
