@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tandem_lit.rollout import logprobs
@@ -14,6 +15,12 @@ def full_logprobs(model, rollout, temperature):
     logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0)).logits
     logits = logits[:, rollout.prompt_ids.shape[1] - 1 : -1].float() / temperature
     return logits.log_softmax(-1).gather(-1, rollout.completion_ids.unsqueeze(-1)).squeeze(-1)
+
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """|got - expected| / |expected| over the whole tensor (a gradient's float32 rounding is
+    relative to its scale, not to each element)."""
+    return float((got - expected).norm() / expected.norm())
 
 
 def test_chunked_logprobs_and_gradients_equal_the_full_computation(monkeypatch, char_tok):
@@ -36,8 +43,97 @@ def test_chunked_logprobs_and_gradients_equal_the_full_computation(monkeypatch, 
     monkeypatch.setattr(logprobs, "CHUNK_ELEMENTS", 3 * len(char_tok) * 2)  # chunks of two positions
     got = logprobs.completion_logprobs(model, rollout, 0.7)
     written = rollout.completion_mask
-    torch.testing.assert_close(got[written], expected[written], rtol=0, atol=1e-6)
+    # (the reference runs the masked, left-padded layout: float32 rounding apart, log-probs near -15)
+    torch.testing.assert_close(got[written], expected[written], rtol=1e-6, atol=1e-6)
     weight = model.model.layers[0].mlp.up_proj.weight
     (grad_expected,) = torch.autograd.grad((expected * written).sum(), weight)
     (grad_got,) = torch.autograd.grad((got * written).sum(), weight)
-    torch.testing.assert_close(grad_got, grad_expected, rtol=0, atol=1e-6)
+    assert relative_error(grad_got, grad_expected) < 1e-5
+
+
+# left-padded prompts of 1-6 tokens, right-padded completions of 0-9 (an empty one included)
+PROMPT_LENGTHS, COMPLETION_LENGTHS = [1, 6, 4, 3], [5, 9, 0, 7]
+
+
+def ragged_rollout(vocab: int, prompts: list[int], completions: list[int]) -> Rollout:
+    generator = torch.Generator().manual_seed(1)
+    n, prompt, width = len(prompts), max(prompts), max(completions)
+    prompt_mask = torch.zeros(n, prompt, dtype=torch.long)
+    author = torch.full((n, width), int(Author.PAD), dtype=torch.int8)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        prompt_mask[i, prompt - p :] = 1
+        author[i, :c] = Author.SENIOR
+    return Rollout(
+        torch.randint(4, vocab, (n, prompt), generator=generator) * prompt_mask, prompt_mask,
+        torch.randint(4, vocab, (n, width), generator=generator) * (author != Author.PAD), author,
+        *(torch.zeros(n, dtype=torch.bool),) * 2, *(torch.zeros(n, dtype=torch.long),) * 3,
+    )
+
+
+def row_by_row_logprobs(model, rollout, temperature) -> list:
+    """Each row alone, its real prompt and completion with no padding at all: [c_i] per row."""
+    rows = []
+    for prompt, keep, completion, written in zip(
+        rollout.prompt_ids, rollout.prompt_mask.bool(), rollout.completion_ids, rollout.completion_mask,
+    ):
+        prompt, completion = prompt[keep], completion[written]
+        logits = model(input_ids=torch.cat([prompt, completion])[None]).logits[0, len(prompt) - 1 : -1]
+        rows.append((logits.float() / temperature).log_softmax(-1).gather(-1, completion[:, None])[:, 0])
+    return rows
+
+
+def tiny_qwen35(vocab: int):
+    from transformers import Qwen3_5ForCausalLM
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(  # 3 Gated DeltaNet layers, then one gated full-attention layer
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, linear_conv_kernel_dim=4, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    config.initializer_range = 0.3
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(4)
+        model = Qwen3_5ForCausalLM(config).eval()
+        with torch.no_grad():  # random norm weights, so the zero-centred norms matter
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(0, 0.3)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
+def test_left_aligned_rows_equal_each_row_alone(kind):
+    """Rows of unequal prompts and completions, laid left-aligned with no attention mask, give the
+    log-probs and parameter gradients of each row run alone (so no padding leaks in, through
+    attention or Qwen3.5's recurrence and conv, and the predicting positions are the right ones)."""
+    from conftest import tiny_llama
+
+    vocab = 40
+    model = tiny_llama(vocab, seed=3, init_range=0.1) if kind == "llama" else tiny_qwen35(vocab)
+    rollout = ragged_rollout(vocab, PROMPT_LENGTHS, COMPLETION_LENGTHS)
+    written = rollout.completion_mask
+    weights = torch.linspace(-1, 1, written.numel()).view_as(written) * written
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    got = logprobs.completion_logprobs(model, rollout, 0.7)
+    grads = torch.autograd.grad((got * weights).sum(), params)
+    rows = row_by_row_logprobs(model, rollout, 0.7)
+    expected = torch.cat(rows)
+    expected_grads = torch.autograd.grad(sum((r * w[m]).sum() for r, w, m in zip(rows, weights, written)), params)
+
+    torch.testing.assert_close(got[written], expected, rtol=0, atol=1e-5)
+    errors = {name: relative_error(a, b) for (name, _), a, b in zip(model.named_parameters(), grads, expected_grads)}
+    assert max(errors.values()) < 1e-4, errors
+
+
+def test_equal_rows_are_the_masked_layout():
+    """Rows of one prompt length: the left-aligned layout is the padded one, minus the mask."""
+    from conftest import tiny_llama
+
+    model = tiny_llama(40, seed=3, init_range=0.1)
+    rollout = ragged_rollout(40, [4, 4, 4], [6, 6, 6])
+    got = logprobs.completion_logprobs(model, rollout, 0.7)
+    torch.testing.assert_close(got, full_logprobs(model, rollout, 0.7), rtol=0, atol=1e-6)
+    hidden = logprobs.completion_hidden_states(model, rollout)
+    assert hidden.shape == (3, 6, model.config.hidden_size)
