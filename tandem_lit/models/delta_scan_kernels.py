@@ -21,6 +21,10 @@ from torch import Tensor
 
 DOT_PRECISION = "ieee"
 BLOCK_V = 32  # value columns per program: 4 blocks x 32 heads x 2 rows = 256 programs at the 9B's shape
+# Triton's default of 3 pipeline stages asks 256 KiB of shared memory for the forward (320 KiB for
+# the backward) at K = 128, over Hopper's 227 KiB (it failed on the H200); one stage needs 48 / 72
+# KiB, which also fits an A100 (compiled for sm_90 on the CPU: metadata.shared)
+NUM_STAGES = 1
 
 
 @triton.jit
@@ -112,6 +116,7 @@ class DeltaScan(torch.autograd.Function):
         _scan_forward_kernel[(triton.cdiv(v_dim, bv), bh)](
             q, k, u, w, attn, decay, initial_state if initial_state is not None else final, o, v, states, final,
             chunks, K=k_dim, V=v_dim, C=chunk, BK=bk, BV=bv, HAS_INITIAL=initial_state is not None, DOT=DOT_PRECISION,
+            num_stages=NUM_STAGES,
         )
         ctx.save_for_backward(q, k, w, attn, decay, states, v)
         ctx.has_initial, ctx.block_v = initial_state is not None, block_v
@@ -134,6 +139,7 @@ class DeltaScan(torch.autograd.Function):
             q, k, w, attn, decay, states, v, d_out, d_final.contiguous() if d_final is not None else ds0,
             du, dq, dk, dw, dattn, ddecay, ds0, bh, chunks,
             K=k_dim, V=v_dim, C=chunk, BK=bk, BV=bv, HAS_FINAL_GRAD=d_final is not None, DOT=DOT_PRECISION,
+            num_stages=NUM_STAGES,
         )
         return (dq.sum(0), dk.sum(0), du, dw.sum(0), dattn.sum(0), ddecay.sum(0),
                 ds0 if ctx.has_initial else None, None)
