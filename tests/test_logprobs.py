@@ -7,6 +7,7 @@ import torch
 
 from tandem_lit.rollout import logprobs
 from tandem_lit.rollout.record import Author, Rollout
+from tests.conftest import ragged_rollout
 
 
 def full_logprobs(model, rollout, temperature):
@@ -55,21 +56,6 @@ def test_chunked_logprobs_and_gradients_equal_the_full_computation(monkeypatch, 
 PROMPT_LENGTHS, COMPLETION_LENGTHS = [1, 6, 4, 3], [5, 9, 0, 7]
 
 
-def ragged_rollout(vocab: int, prompts: list[int], completions: list[int]) -> Rollout:
-    generator = torch.Generator().manual_seed(1)
-    n, prompt, width = len(prompts), max(prompts), max(completions)
-    prompt_mask = torch.zeros(n, prompt, dtype=torch.long)
-    author = torch.full((n, width), int(Author.PAD), dtype=torch.int8)
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        prompt_mask[i, prompt - p :] = 1
-        author[i, :c] = Author.SENIOR
-    return Rollout(
-        torch.randint(4, vocab, (n, prompt), generator=generator) * prompt_mask, prompt_mask,
-        torch.randint(4, vocab, (n, width), generator=generator) * (author != Author.PAD), author,
-        *(torch.zeros(n, dtype=torch.bool),) * 2, *(torch.zeros(n, dtype=torch.long),) * 3,
-    )
-
-
 def row_by_row_logprobs(model, rollout, temperature) -> list:
     """Each row alone, its real prompt and completion with no padding at all: [c_i] per row."""
     rows = []
@@ -111,7 +97,7 @@ def test_left_aligned_rows_equal_each_row_alone(kind):
 
     vocab = 40
     model = tiny_llama(vocab, seed=3, init_range=0.1) if kind == "llama" else tiny_qwen35(vocab)
-    rollout = ragged_rollout(vocab, PROMPT_LENGTHS, COMPLETION_LENGTHS)
+    rollout = ragged_rollout(vocab, PROMPT_LENGTHS, COMPLETION_LENGTHS, seed=1)
     written = rollout.completion_mask
     weights = torch.linspace(-1, 1, written.numel()).view_as(written) * written
     params = [p for p in model.parameters() if p.requires_grad]
@@ -132,7 +118,7 @@ def test_equal_rows_are_the_masked_layout():
     from conftest import tiny_llama
 
     model = tiny_llama(40, seed=3, init_range=0.1)
-    rollout = ragged_rollout(40, [4, 4, 4], [6, 6, 6])
+    rollout = ragged_rollout(40, [4, 4, 4], [6, 6, 6], seed=1)
     got = logprobs.completion_logprobs(model, rollout, 0.7)
     torch.testing.assert_close(got, full_logprobs(model, rollout, 0.7), rtol=0, atol=1e-6)
     hidden = logprobs.completion_hidden_states(model, rollout)
