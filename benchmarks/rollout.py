@@ -335,12 +335,18 @@ def useful_rows(args, part: str) -> list[dict]:
             engine.max_batch = batch
             for layout in args.kv_cache:
                 set_kv_layout(engine, layout, args.kv_cache_gib)
-                reset_peak_memory(device)
-                seconds, out = timed(lambda p, policy=policy: engine.generate(p, policy, sampling), prompts, device, repeats)
-                name = f"FastEngine continuous{' paged' if layout == 'paged' else ''}, {policy_name}"
-                keep(row(name, seconds, out, {**engine.last_timing(), **peak_memory(device)}))
+                for refill in args.refill:
+                    engine.refill = refill
+                    reset_peak_memory(device)
+                    seconds, out = timed(lambda p, policy=policy: engine.generate(p, policy, sampling), prompts, device, repeats)
+                    keep(row(continuous_name(layout, refill, policy_name), seconds, out,
+                             {**engine.last_timing(), **peak_memory(device)}))
         engine.release()  # the next batch size sizes its own caches
     return rows
+
+
+def continuous_name(layout: str, refill: str, policy: str) -> str:
+    return f"FastEngine continuous{' paged' if layout == 'paged' else ''}{' eager refill' if refill == 'eager' else ''}, {policy}"
 
 
 def set_kv_layout(engine: FastEngine, layout: str, gib: float | None) -> None:
@@ -402,7 +408,8 @@ def useful_main(args) -> None:
         return next(r["useful_tokens_per_second"] for r in rows if r["name"] == name and r["batch"] == batch)
 
     batch = rows[0]["batch"]
-    continuous = "FastEngine continuous" if "slots" in args.kv_cache else "FastEngine continuous paged"
+    layout = "slots" if "slots" in args.kv_cache else "paged"
+    continuous = continuous_name(layout, args.refill[0], "")[:-2]
     parts = []
     if not args.skip_static:
         parts += [f"continuous_over_static={rate(f'{continuous}, tandem', batch) / rate('FastEngine static, tandem', batch):.2f}",
@@ -412,8 +419,15 @@ def useful_main(args) -> None:
     if set(args.kv_cache) == {"slots", "paged"}:  # every batch size: the layouts' throughput, same run
         for b in sorted({r["batch"] for r in rows}):
             for policy in ("tandem", "solo"):
-                ratio = rate(f"FastEngine continuous paged, {policy}", b) / rate(f"FastEngine continuous, {policy}", b)
+                ratio = (rate(continuous_name("paged", args.refill[0], policy), b)
+                         / rate(continuous_name("slots", args.refill[0], policy), b))
                 parts.append(f"paged_over_slots{'' if policy == 'tandem' else '_solo'}_b{b}={ratio:.3f}")
+    if set(args.refill) == {"amortized", "eager"}:  # the refill timer's worth, same run
+        for b in sorted({r["batch"] for r in rows}):
+            for policy in ("tandem", "solo"):
+                ratio = (rate(continuous_name(layout, "amortized", policy), b)
+                         / rate(continuous_name(layout, "eager", policy), b))
+                parts.append(f"amortized_over_eager_refill{'' if policy == 'tandem' else '_solo'}_b{b}={ratio:.3f}")
     print(" ".join(parts))
 
 
@@ -446,6 +460,8 @@ def main() -> None:
     parser.add_argument("--kv-page-size", type=int, default=64, help="positions per page of the paged KV pool")
     parser.add_argument("--kv-cache-gib", type=float, default=None,
                         help="size of the paged pool (default: as large as the slot caches, so nothing is preempted)")
+    parser.add_argument("--refill", nargs="+", choices=["amortized", "eager"], default=["amortized"],
+                        help="FastEngine(refill=...): continuous rows for each (the first sets the ratios' row)")
     parser.add_argument("--skip-static", action="store_true", help="with --lengths: leave out the static-batch rows")
     parser.add_argument("--only", choices=["fast", "vllm"], default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()

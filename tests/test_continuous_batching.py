@@ -25,6 +25,8 @@ from tandem_lit.rollout.handoff import (
 from tandem_lit.rollout.record import PromptBatch
 from tandem_lit.rollout.sampling import SamplingConfig, sequence_seeds
 from tandem_lit.rollout.static import FastEngine
+from tandem_lit.rollout.static import engine as fast_engine
+from tandem_lit.rollout.static.scheduler import RefillTimer
 from tandem_lit.rollout.text_handoff import TextHandoffEngine
 from tests.test_fast_engine import build, prompt_batch
 from tests.test_hybrid_engine import hybrid
@@ -192,6 +194,52 @@ def test_admission_order_changes_nothing(tokenizer, plain_pair, order):
         assert_same(unshuffled, straight)
 
 
+def test_the_refill_timer_waits_until_idle_slots_cost_a_prefill():
+    """Ski rental by hand: 10 rows, chunks of 10 steps of 10 ms, so an empty slot costs 10 ms a
+    chunk; the last refill's prefill took 50 ms."""
+    timer = RefillTimer("amortized")
+    assert timer.due(free=1, waiting=5, live=9)  # no prefill timed yet: refill at once
+    timer.prefill_s = 0.05
+    timer.observe(batch=10, steps=10, step_s=0.01)  # no slot was empty in that chunk
+    assert not timer.due(free=2, waiting=5, live=8)  # 0 paid + 20 ms ahead < 50 ms
+    timer.free = 2
+    timer.observe(batch=10, steps=10, step_s=0.01)  # 20 ms paid
+    assert not timer.due(free=0, waiting=5, live=10)
+    assert timer.due(free=3, waiting=5, live=7)  # 20 + 30 ms ahead >= 50 ms
+    timer.refilled()
+    assert timer.idle_s == 0 and not timer.due(free=2, waiting=5, live=8)
+    assert timer.due(free=2, waiting=2, live=8)  # the whole queue fits: nothing to wait for
+    assert timer.due(free=10, waiting=50, live=0)  # nothing decodes
+    assert not timer.due(free=3, waiting=0, live=7)
+    eager = RefillTimer("eager")
+    eager.prefill_s = 1.0
+    assert eager.due(free=1, waiting=5, live=9)
+
+
+def test_refills_put_off_to_the_last_moment_change_nothing(tokenizer, plain_pair, monkeypatch):
+    """A timer that waits as long as it may (a prefill that never pays off: refill only when
+    the whole queue fits or nothing decodes) gives the rollouts of refilling at once, in fewer refills."""
+
+    class Patient(RefillTimer):
+        def due(self, free, waiting, live):
+            self.prefill_s = float("inf")
+            return super().due(free, waiting, live)
+
+    senior, junior = plain_pair
+    prompts = queue_batch(tokenizer, JUNIOR_PROMPTS)
+    eager = FastEngine(kernels="torch", rollout_dtype="float32", max_batch=3, check_every=2, refill="eager")
+    eager.setup(senior, junior, tokenizer)
+    want = eager.generate(prompts, WordHandoff(p=0.5), SAMPLED)
+    eager_refills = eager.last_timing()["refills"]
+    monkeypatch.setattr(fast_engine, "RefillTimer", Patient)
+    patient = FastEngine(kernels="torch", rollout_dtype="float32", max_batch=3, check_every=2)
+    patient.setup(senior, junior, tokenizer)
+    assert_same(patient.generate(prompts, WordHandoff(p=0.5), SAMPLED), want)
+    timing = patient.last_timing()
+    assert 0 < timing["refills"] < eager_refills
+    assert timing["refilled_sequences"] == prompts.batch_size - 3  # every sequence past the first batch
+
+
 def test_a_refilled_slot_forgets_its_last_sequence(tokenizer, plain_pair):
     """One slot, sequences one after another: each must equal the same sequence decoded alone
     (a stale KV entry, valid flag, recurrent state or counter would change it)."""
@@ -325,6 +373,7 @@ def test_one_slot_and_a_tiny_pool_reuse_pages_cleanly(tokenizer, plain_pair):
     (dict(kv_cache="paged", kv_cache_gib=-1.0), "positive"),
     (dict(kv_cache="paged", kv_cache_tokens=100, kv_cache_gib=1.0), "not both"),
     (dict(kv_cache_tokens=100), "paged"),
+    (dict(refill="lazy"), "refill"),
 ])
 def test_bad_kv_cache_settings_fail_in_one_line(kwargs, match):
     with pytest.raises(ConfigError, match=match) as info:

@@ -59,7 +59,7 @@ from tandem_lit.rollout.sampling import SamplingConfig
 from tandem_lit.rollout.static.hybrid import HYBRID_MODEL_TYPES, HybridDecoderModel
 from tandem_lit.rollout.static.paging import BlockManager, prompt_placement, write_table_rows
 from tandem_lit.rollout.static.plain import StaticDecoderModel
-from tandem_lit.rollout.static.scheduler import PagedSlotTable, SlotTable
+from tandem_lit.rollout.static.scheduler import PagedSlotTable, RefillTimer, SlotTable
 from tandem_lit.rollout.weights import check_rollout_dtype
 
 
@@ -167,6 +167,10 @@ class FastEngine(RolloutEngine):
             a call are a queue: when sequences finish, their slots are refilled from it (one
             batched prefill of both models); once it is empty, the live rows are compacted into
             the next smaller captured batch size. Slot KV caches are sized for ``max_batch`` rows.
+        refill: When freed slots take queued sequences: ``amortized`` (default) once the decode
+            time the empty slots have cost reaches one prefill's, so several share a prefill;
+            ``eager`` as soon as they free up (``scheduler.RefillTimer``). Speed only: a sequence
+            never depends on when it is admitted.
         kv_cache: ``slots`` (default): one KV cache row of prompt + ``max_new_tokens`` positions per
             decode row. ``paged``: a pool of pages per layer and model, one block table shared by
             both models; sequences hold the pages they use, admission waits for free pages, and a
@@ -196,7 +200,11 @@ class FastEngine(RolloutEngine):
         kv_page_size: int = 64,
         kv_cache_tokens: int | None = None,
         kv_cache_gib: float | None = None,
+        refill: Literal["amortized", "eager"] = "amortized",
     ):
+        if refill not in ("amortized", "eager"):
+            raise ConfigError(f"refill must be 'amortized' or 'eager', got {refill!r}")
+        self.refill = refill
         if kv_block < 1 or check_every < 1:
             raise ConfigError("kv_block and check_every must be >= 1")
         check_kv_cache(kv_cache, kv_page_size, kv_cache_tokens, kv_cache_gib)
@@ -401,7 +409,7 @@ class FastEngine(RolloutEngine):
             table = self._paged_table(prompts, budgets, capacity, buf)
         else:
             table = SlotTable(list(range(rows)), capacity, budgets.tolist())
-        run = _Run(decoder, table, _PhaseClock(device))
+        run = _Run(decoder, table, _PhaseClock(device), RefillTimer(self.refill))
         run.width = width
         active = [name for name, needed in (("senior", decoder.needs_senior), ("junior", decoder.needs_junior)) if needed]
         # static caches hold the weights' dtype: decode in it, also inside a bf16-mixed training step
@@ -420,6 +428,8 @@ class FastEngine(RolloutEngine):
                        for name, x in decoder.outputs().items()}
             run.clock.mark()
             self._admit(run, prompts, budgets, active)
+            run.timer.free = run.table.batch - len(run.table.live)  # a paged pool may admit fewer
+            synced = time.perf_counter()
             while True:
                 view = decoder.narrow(run.table.batch)
                 steps = min(self.check_every, run.table.steps_left())
@@ -437,6 +447,7 @@ class FastEngine(RolloutEngine):
                 run.steps += steps
                 run.slot_steps += steps * run.table.batch
                 finished = decoder.state.finished[: run.table.batch].tolist()  # the host sync
+                synced = self._time_chunk(run, steps, synced)
                 slots, sequences = run.table.retire(finished)
                 if slots:
                     out = decoder.outputs()
@@ -444,7 +455,10 @@ class FastEngine(RolloutEngine):
                     for name, values in results.items():
                         values.index_copy_(0, where, out[name][index])
                 if run.table.queue:
-                    self._admit(run, prompts, budgets, active)
+                    live = len(run.table.live)
+                    if run.timer.due(run.table.batch - live, len(run.table.queue), live):
+                        self._admit(run, prompts, budgets, active)
+                    run.timer.free = run.table.batch - len(run.table.live)
                 elif not run.table.live:
                     break
                 elif (size := run.table.smaller_batch()) is not None:
@@ -489,6 +503,7 @@ class FastEngine(RolloutEngine):
         slots, sequences = run.table.admit()
         if not slots:
             return
+        run.timer.refilled()
         buf, device = self._batch, self._batch.slot.device
         run.prefills.append(self._event())
         group = prompts.select(sequences)
@@ -514,7 +529,22 @@ class FastEngine(RolloutEngine):
         for slot, bound in zip(slots, bounds):
             run.table.bound[slot] = bound
         run.prefills.append(self._event())
-        run.refills += run.steps > 0
+        if run.steps:
+            run.refills += 1
+            run.refilled += len(slots)
+
+    def _time_chunk(self, run: _Run, steps: int, synced: float) -> float:
+        """After a chunk's host sync: hand the refill timer the chunk's step time (its wall time
+        since the last sync, less the refill prefilled in it) and that prefill's time. Returns now."""
+        now = time.perf_counter()
+        prefill = 0.0
+        if run.refills_timed < len(run.prefills) // 2:  # a prefill ran since the last sync (its marks are done)
+            prefill = _seconds(*run.prefills[-2:])
+            run.timer.prefill_s = prefill
+            run.refills_timed = len(run.prefills) // 2
+        if steps:
+            run.timer.observe(run.table.batch, steps, max(now - synced - prefill, 0.0) / steps)
+        return now
 
     def _compact(self, run: _Run, size: int) -> None:
         """Move the live rows to the first rows (both models, every per-row buffer) and decode
@@ -547,17 +577,14 @@ class FastEngine(RolloutEngine):
         if run is None:
             raise RuntimeError("last_timing() reports on a generate() call; none has run yet")
         (total,) = run.clock.seconds()
-        pairs = list(zip(run.prefills[::2], run.prefills[1::2]))
-        if run.clock.cuda:
-            prefill = sum(a.elapsed_time(b) / 1000 for a, b in pairs)
-        else:
-            prefill = sum(b - a for a, b in pairs)
+        prefill = sum(_seconds(a, b) for a, b in zip(run.prefills[::2], run.prefills[1::2]))
         decode = total - prefill
         return {
             "setup_s": run.setup_s, "prefill_s": prefill, "decode_s": decode, "decode_steps": run.steps,
             "decode_step_ms": 1000 * decode / max(run.steps, 1),
             "busy_slot_fraction": run.live_steps / max(run.slot_steps, 1),
-            "refills": run.refills, "compactions": run.compactions, "prompt_width": run.width,
+            "refills": run.refills, "refilled_sequences": run.refilled,
+            "compactions": run.compactions, "prompt_width": run.width,
             **self._pool_timing(run),
         }
 
@@ -572,6 +599,11 @@ class FastEngine(RolloutEngine):
         if self.triton:  # the attention kernel reads its bound on the device: one graph for all steps
             return self._batch.length
         return min(math.ceil(needed / self.kv_block) * self.kv_block, self._batch.length)
+
+
+def _seconds(start, end) -> float:
+    """Between two marks of ``FastEngine._event``: CUDA events (recorded, and done) or host clocks."""
+    return start.elapsed_time(end) / 1000 if isinstance(start, torch.cuda.Event) else end - start
 
 
 def _valid_rows(mask: Tensor, last: Tensor, width: int, buf: _Batch) -> Tensor:  # [n, width], [n] -> [n, length] bool
@@ -589,11 +621,13 @@ def _valid_rows(mask: Tensor, last: Tensor, width: int, buf: _Batch) -> Tensor: 
 class _Run:
     """The bookkeeping of one ``generate``: the decoder, the slot table, and what timing reports."""
 
-    def __init__(self, decoder: TandemDecoder, table: SlotTable, clock: _PhaseClock):
-        self.decoder, self.table, self.clock = decoder, table, clock
+    def __init__(self, decoder: TandemDecoder, table: SlotTable, clock: _PhaseClock, timer: RefillTimer):
+        self.decoder, self.table, self.clock, self.timer = decoder, table, clock, timer
         self.prefills: list = []  # start/end marks of every prefill
+        self.refills_timed = 1  # prefills whose time the timer has had (the first admission: not a refill)
         self.setup_s = 0.0
         self.steps = self.slot_steps = self.live_steps = 0
         self.refills = self.compactions = 0
+        self.refilled = 0  # sequences admitted by refills
         self.width = 0
         self.peak_pages = 0  # paged pool: the most pages held at once

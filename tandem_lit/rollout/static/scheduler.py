@@ -99,6 +99,48 @@ class SlotTable:
             self.left[s] -= steps
 
 
+class RefillTimer:
+    """When freed slots are refilled from the queue: as soon as they free up (``eager``), or once
+    the decode time they have cost reaches one prefill's (``amortized``, the default).
+
+    A refill's prefill costs about as much for one prompt as for eight: at a few prompts it is
+    kernel launches, not FLOPs (thousands of small ones through Hugging Face's Qwen3.5 stack:
+    ~0.1 s a refill for the 9B on an H200, over ten decode steps of 64 rows), while an empty slot
+    costs 1/batch of each step it stays empty. Refilled as they freed up, the 128 lognormal
+    rollouts of a 9B/2B pair took 47 refills, 12-15% of the run (docs/benchmarks.md). ``amortized`` lets free slots wait until the
+    step time they have idled since the last refill adds up to the last refill's prefill time,
+    then refills them together: the ski-rental rule, never worse than twice the best schedule in
+    hindsight. It refills at once when every waiting sequence fits, when no slot is live, and
+    before any prefill time is known. Sequences do not depend on when they are admitted, so the
+    rule changes speed only."""
+
+    def __init__(self, mode: str):
+        self.eager = mode == "eager"
+        self.free = 0  # slots left empty at the last decision: they idle through the next chunk
+        self.idle_s = 0.0  # decode time those empty slots have cost since the last refill
+        self.slot_chunk_s = 0.0  # what one empty slot costs over a chunk (the last chunk's step time / batch)
+        self.prefill_s: float | None = None  # the last refill's prefill time
+
+    def observe(self, batch: int, steps: int, step_s: float) -> None:
+        """A chunk of ``steps`` decode steps of ``step_s`` seconds has run, ``self.free`` of its
+        ``batch`` rows empty."""
+        self.slot_chunk_s = steps * step_s / batch
+        self.idle_s += self.free * self.slot_chunk_s
+
+    def due(self, free: int, waiting: int, live: int) -> bool:
+        """Refill now? ``free`` empty slots, ``waiting`` queued sequences, ``live`` held slots.
+        Yes once waiting one more chunk would take the idle cost past a prefill's (looking one
+        chunk ahead, so the idle paid overshoots a prefill by less than a chunk's)."""
+        if not free or not waiting:
+            return False
+        if self.eager or self.prefill_s is None or live == 0 or free >= waiting:
+            return True
+        return self.idle_s + free * self.slot_chunk_s >= self.prefill_s
+
+    def refilled(self) -> None:
+        self.idle_s = 0.0
+
+
 class PagedSlotTable(SlotTable):
     """A ``SlotTable`` whose sequences also hold pages of a paged KV pool (``paging.BlockManager``).
 
