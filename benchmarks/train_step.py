@@ -289,6 +289,45 @@ class LogprobRecorder:
         module.updates.sequence_logprobs = recorded
 
 
+class UpdateProfiler:
+    """For ``--profile-update``: torch.profiler over the update (log-prob passes, trained passes,
+    optimizer) of one extra step after the measured ones, by wrapping ``UpdatePhase.run``. Writes the kernels with the
+    most CUDA time, the host ops with the most CPU time, and how much of the update's wall time
+    the GPU was busy (kernel time over wall time: the rest is launch gaps and host work)."""
+
+    def __init__(self, module, skip: int, path: str, rows: int = 30) -> None:
+        self.calls, self.skip, self.path, self.rows = 0, skip, path, rows
+        run = module.updates.run
+
+        def profiled(result, optimizer, device, world=1, step=0):
+            self.calls += 1
+            if self.calls != self.skip + 1:
+                return run(result, optimizer, device, world, step)
+            from torch.profiler import ProfilerActivity, profile
+
+            cuda = device.type == "cuda"
+            wait = torch.cuda.synchronize if cuda else (lambda: None)
+            wait()
+            started = time.perf_counter()
+            with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+                out = run(result, optimizer, device, world, step)
+                wait()
+            self.write(prof, time.perf_counter() - started)
+            return out
+
+        module.updates.run = profiled
+
+    def write(self, prof, wall: float) -> None:
+        events = prof.key_averages()
+        kernels = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA") / 1e6
+        with open(self.path, "w") as f:
+            f.write(f"update wall {wall:.2f} s (profiled), GPU kernels {kernels:.2f} s = {kernels / wall:.1%} busy\n\n")
+            f.write(events.table(sort_by="self_device_time_total", row_limit=self.rows, max_name_column_width=70))
+            f.write("\n\n")
+            f.write(events.table(sort_by="self_cpu_time_total", row_limit=self.rows, max_name_column_width=70))
+        say(f"update profile written to {self.path}: GPU busy {kernels / wall:.1%} of {wall:.1f} s")
+
+
 class StepReport(L.Callback):
     """Times each training step and reports it as soon as it ends (Lightning's teardown after
     ``fit`` moves tens of GB to the host: a time limit there must not lose the numbers). The first
@@ -296,8 +335,9 @@ class StepReport(L.Callback):
     pinned host buffers, allocated once at the first rollout after an update) and are not reported."""
 
     def __init__(self, arm: str, warmup: int, warmup_tokens: int, bandwidth: float, prompts: int, peak_tflops: float,
-                 fixed_lengths: bool = True):
+                 fixed_lengths: bool = True, measured: int = 1):
         self.arm, self.warmup, self.warmup_tokens, self.bandwidth, self.prompts = arm, warmup, warmup_tokens, bandwidth, prompts
+        self.measured = measured  # steps reported after the warm-up; any after them are profiled
         # the roofline counts every row at the mean length of a fixed-length run: with per-row
         # budgets rows finish early and a step reads less, so a share of it would mislead
         self.fixed_lengths = fixed_lengths
@@ -338,7 +378,9 @@ class StepReport(L.Callback):
             torch.cuda.synchronize()
             self.sample_device_memory()
         seconds = time.perf_counter() - self.started
-        if batch_idx >= self.warmup:
+        if batch_idx >= self.warmup + self.measured:
+            say(f"{self.arm:>7} profiled step: {seconds:.1f} s (under torch.profiler: not a measurement)")
+        elif batch_idx >= self.warmup:
             self.report(module, seconds)
         else:  # unreported, but a gap there (before any update reached the engine) narrows a gap's cause
             row = module.history[-1]
@@ -429,7 +471,7 @@ def run_arm(arm: str, model_args: dict, trainer_args: dict, args, root: Path, ba
     module = build_module(model_args, arm, args, root)
     data = ProblemRows(args.problems, batch_size=args.prompts, seed=0)
     report = StepReport(arm, args.warmup_steps, min(32, module.sampling.max_new_tokens), bandwidth, args.prompts, args.peak_tflops,
-                        fixed_lengths=args.lengths == "fixed")
+                        fixed_lengths=args.lengths == "fixed", measured=args.steps)
     lengths = parse_lengths(args.lengths, args.tiny)
     if lengths is not None:  # random weights never end a sequence: each one's budget is its length
         sampling = module.sampling  # (StepReport shortens its max_new_tokens in warm-up steps)
@@ -439,11 +481,13 @@ def run_arm(arm: str, model_args: dict, trainer_args: dict, args, root: Path, ba
     trainer = L.Trainer(
         accelerator=args.device if args.device == "cpu" else "gpu", devices=args.devices, strategy=strategy,
         precision=trainer_args.get("precision", "32-true"),
-        max_steps=(args.warmup_steps + args.steps) * updates_per_step, logger=False, enable_checkpointing=False, limit_val_batches=0,
+        max_steps=(args.warmup_steps + args.steps + bool(args.profile_update)) * updates_per_step, logger=False, enable_checkpointing=False, limit_val_batches=0,
         num_sanity_val_steps=0, enable_progress_bar=False, enable_model_summary=False, callbacks=[report],
         default_root_dir=str(root / arm),
     )
     recorder = LogprobRecorder(module) if args.dump_logprobs else None
+    if args.profile_update:  # one more step, after the measured ones (the profiler slows what it watches)
+        UpdateProfiler(module, args.warmup_steps + args.steps, str(Path(args.profile_update).with_suffix(f".{arm}.txt")))
     trainer.fit(module, datamodule=data)
     if recorder is not None:
         dump = Path(args.dump_logprobs).with_suffix(f".{arm}.pt")
@@ -547,6 +591,8 @@ def main() -> None:
                         help="write every update pass's rows with the engine's and the training forward's log-probs "
                              "to FILE.<arm>.pt (to take a log-prob gap apart offline)")
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--profile-update", default=None, metavar="FILE",
+                        help="torch.profiler over the first measured step's update: kernel and host-op tables (CUDA)")
     args = parser.parse_args()
     if args.engine == "vllm":
         args.arms = ["grpo-vllm" if arm == "grpo" else arm for arm in args.arms]

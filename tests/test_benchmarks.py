@@ -38,11 +38,15 @@ def test_train_step_benchmark_with_lognormal_lengths_trains_on_each_rollouts_own
     run = subprocess.run(
         [sys.executable, "benchmarks/train_step.py", "--device", "cpu", "--tiny", "--arms", "grpo", "--max-new-tokens", "16",
          "--lengths", "lognormal:median=6,sigma=0.8,cap=16", "--json", str(out), "--dump-logprobs", str(tmp_path / "gap"),
-         "--kv-cache", "paged", "--fill-passes", "--micro-batch-tokens", "512"],
+         "--kv-cache", "paged", "--fill-passes", "--micro-batch-tokens", "512", "--profile-update", str(tmp_path / "prof")],
         cwd=repo_root, capture_output=True, text=True, timeout=600,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "grpo warm-up step 1: " in run.stdout and "logp gap mean 0.0000" in run.stdout
+    # --profile-update: one more step, profiled and not reported; its tables name the update's ops
+    assert "grpo profiled step: " in run.stdout
+    profile = (tmp_path / "prof.grpo.txt").read_text()
+    assert profile.startswith("update wall ") and "aten::" in profile
     arm = json.loads(out.read_text())["arms"]["grpo"]
     assert arm["kv_cache"] == "paged"  # --kv-cache reached FastEngine (the gap below: paged decoding is exact)
     (step,) = arm["steps"]
@@ -146,6 +150,20 @@ def test_rollout_benchmark_long_tailed_lengths_tiny(repo_root):
     assert last.startswith("continuous_over_static=") and " continuous_over_static_solo=" in last
     assert float(last.split()[0].split("=")[1]) > 0
     assert "FastEngine continuous, tandem" in run.stdout and "FastEngine static, tandem" in run.stdout
+    assert "eager refill" not in run.stdout  # --refill: amortized (FastEngine's default) unless asked
+
+
+def test_rollout_benchmark_times_both_refill_rules_in_one_run(repo_root):
+    run = subprocess.run(
+        [sys.executable, "benchmarks/rollout.py", "--device", "cpu", "--tiny", "--batches", "2", "--queue", "3",
+         "--repeats", "1", "--lengths", "lognormal:median=4,sigma=0.8,cap=8", "--refill", "amortized", "eager", "--skip-static"],
+        cwd=repo_root, capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "FastEngine continuous eager refill, solo" in run.stdout and "FastEngine continuous, solo" in run.stdout
+    ratios = dict(part.split("=") for part in run.stdout.strip().splitlines()[-1].split())
+    assert set(ratios) == {"amortized_over_eager_refill_b2", "amortized_over_eager_refill_solo_b2"}
+    assert all(float(v) > 0 for v in ratios.values())
 
 
 def test_update_flops_by_hand():
