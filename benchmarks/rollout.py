@@ -312,7 +312,8 @@ def useful_rows(args, part: str) -> list[dict]:
             keep(row("vLLM, solo", seconds, out))
             continue
 
-        for policy_name, policy in (("solo", SoloHandoff()), ("tandem", WordHandoff(0.5))):
+        for policy_name, policy in [(n, p) for n, p in (("solo", SoloHandoff()), ("tandem", WordHandoff(0.5)))
+                                    if n in args.policies]:
             # static: calls of `batch` rows, each runs until its longest sequence ends (the cost of
             # a static batch); the useful tokens are the same budgets
             engine.max_batch = None
@@ -411,20 +412,21 @@ def useful_main(args) -> None:
     layout = "slots" if "slots" in args.kv_cache else "paged"
     continuous = continuous_name(layout, args.refill[0], "")[:-2]
     parts = []
+    suffix = {"tandem": "", "solo": "_solo"}
     if not args.skip_static:
-        parts += [f"continuous_over_static={rate(f'{continuous}, tandem', batch) / rate('FastEngine static, tandem', batch):.2f}",
-                  f"continuous_over_static_solo={rate(f'{continuous}, solo', batch) / rate('FastEngine static, solo', batch):.2f}"]
+        parts += [f"continuous_over_static{suffix[p]}={rate(f'{continuous}, {p}', batch) / rate(f'FastEngine static, {p}', batch):.2f}"
+                  for p in ("tandem", "solo") if p in args.policies]
     if args.vllm:
         parts.append(f"fast_over_vllm={rate(f'{continuous}, solo', batch) / rate('vLLM, solo', batch):.2f}")
     if set(args.kv_cache) == {"slots", "paged"}:  # every batch size: the layouts' throughput, same run
         for b in sorted({r["batch"] for r in rows}):
-            for policy in ("tandem", "solo"):
+            for policy in [p for p in ("tandem", "solo") if p in args.policies]:
                 ratio = (rate(continuous_name("paged", args.refill[0], policy), b)
                          / rate(continuous_name("slots", args.refill[0], policy), b))
                 parts.append(f"paged_over_slots{'' if policy == 'tandem' else '_solo'}_b{b}={ratio:.3f}")
     if set(args.refill) == {"amortized", "eager"}:  # the refill timer's worth, same run
         for b in sorted({r["batch"] for r in rows}):
-            for policy in ("tandem", "solo"):
+            for policy in [p for p in ("tandem", "solo") if p in args.policies]:
                 ratio = (rate(continuous_name(layout, "amortized", policy), b)
                          / rate(continuous_name(layout, "eager", policy), b))
                 parts.append(f"amortized_over_eager_refill{'' if policy == 'tandem' else '_solo'}_b{b}={ratio:.3f}")
@@ -462,6 +464,8 @@ def main() -> None:
                         help="size of the paged pool (default: as large as the slot caches, so nothing is preempted)")
     parser.add_argument("--refill", nargs="+", choices=["amortized", "eager"], default=["amortized"],
                         help="FastEngine(refill=...): continuous rows for each (the first sets the ratios' row)")
+    parser.add_argument("--policies", nargs="+", choices=["solo", "tandem"], default=["solo", "tandem"],
+                        help="with --lengths: the continuous/static rows of these (the ratios need both)")
     parser.add_argument("--skip-static", action="store_true", help="with --lengths: leave out the static-batch rows")
     parser.add_argument("--only", choices=["fast", "vllm"], default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
