@@ -52,6 +52,30 @@ def test_chunked_logprobs_and_gradients_equal_the_full_computation(monkeypatch, 
     assert relative_error(grad_got, grad_expected) < 1e-5
 
 
+def test_logprobs_over_the_sampled_vocabulary_normalise_over_its_tokens_only(monkeypatch):
+    """``vocab``: a head with rows past the tokenizer's tokens (Qwen3's 151,936 for 151,669) is
+    normalised over the first ``vocab`` logits, as the engine samples; chunked or not."""
+    from conftest import tiny_llama
+
+    model = tiny_llama(48, seed=4)
+    rollout = ragged_rollout(32)  # token ids below 32: what a 32-token tokenizer can write
+    ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], 1)
+    mask = torch.cat([rollout.prompt_mask, rollout.completion_mask.long()], 1)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0)).logits
+    logits = logits[:, rollout.prompt_ids.shape[1] - 1 : -1, :32].float() / 0.7
+    expected = logits.log_softmax(-1).gather(-1, rollout.completion_ids.unsqueeze(-1)).squeeze(-1)
+    written = rollout.completion_mask
+    monkeypatch.setattr(logprobs, "CHUNK_ELEMENTS", 3 * 48 * 2)
+    with torch.no_grad():
+        got = logprobs.completion_logprobs(model, rollout, 0.7, vocab=32)
+        whole = logprobs.completion_logprobs(model, rollout, 0.7)
+        assert torch.equal(logprobs.completion_logprobs(model, rollout, 0.7, vocab=48), whole)
+        top = logprobs.completion_top_tokens(model, rollout, vocab=32)
+    torch.testing.assert_close(got[written], expected[written], rtol=1e-5, atol=1e-5)
+    assert (whole[written] < got[written]).all() and (got - whole)[written].mean() > 0.05  # the padding rows held mass
+    assert int(top.max()) < 32
+
+
 # left-padded prompts of 1-6 tokens, right-padded completions of 0-9 (an empty one included)
 PROMPT_LENGTHS, COMPLETION_LENGTHS = [1, 6, 4, 3], [5, 9, 0, 7]
 

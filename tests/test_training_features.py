@@ -520,6 +520,27 @@ def test_a_logp_gap_past_the_limit_stops_the_run_before_its_first_update(tmp_pat
     assert 0 <= train_rows(healthy)[-1]["train/rollout_logp_gap_mean"] < 1e-3
 
 
+def test_a_head_with_rows_past_the_tokenizer_is_scored_over_what_the_engine_samples(tmp_path):
+    """The head has 64 rows more than the tokenizer has tokens (as Qwen3's 151,936 rows for
+    151,669 tokens, or a Qwen3.5 head read by another tokenizer in a benchmark). The engine draws
+    among the tokenizer's tokens; the update normalises over the same ones, so the float32 gap
+    stays 0 instead of ~log(164 / 100) = 0.49 nats on random weights, whose padding rows carry mass."""
+    import shutil
+
+    folder = tmp_path / "padded_head"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "configs/tiny/senior", folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] + 64}))
+    data = RowsDataModule([row(f"q{i} ", VOWELS) for i in range(4)], batch_size=2)
+    module = tandem_module(engine=FastEngine(rollout_dtype="float32"), mini_batch_size=1,
+                           senior=ModelSource(str(folder), random_init=True, init_seed=1, dtype="float32"),
+                           junior=ModelSource(str(folder), random_init=True, init_seed=2, dtype="float32"))
+    fit(module, data, tmp_path / "run")
+    assert 0 <= train_rows(module)[-1]["train/rollout_logp_gap_mean"] < 1e-3
+    assert module.updates.vocab == len(module.tokenizer) == config["vocab_size"]
+    assert module.senior.get_output_embeddings().weight.shape[0] == config["vocab_size"] + 64
+
+
 def test_logp_gap_limit_must_be_positive():
     from tandem_lit.training.settings import UpdateSettings
 

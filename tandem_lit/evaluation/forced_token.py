@@ -52,9 +52,10 @@ def forced_token_outcomes(module, rows: list[dict[str, Any]], solo: RolloutResul
     prompts = [row["prompt"] for row in rows for _ in range(per_row)]
     for micro in torch.arange(rollout.completion_ids.shape[0], device=module.device).split(module.update_settings.micro_batch_size):
         part = rollout.select(micro).trimmed()
-        senior_top = completion_top_tokens(module.senior, part)
+        vocab = len(module.tokenizer)  # tokens the engines write (a head's rows past them are padding)
+        senior_top = completion_top_tokens(module.senior, part, vocab)
         junior_view = module.partner_view(part, [prompts[i] for i in micro.tolist()])
-        junior_top = completion_top_tokens(module.junior, junior_view)
+        junior_top = completion_top_tokens(module.junior, junior_view, vocab)
         differ = (senior_top != junior_top) & part.completion_mask
         for row, sample in enumerate(micro.tolist()):
             positions = differ[row].nonzero().flatten().tolist()

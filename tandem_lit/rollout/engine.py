@@ -114,6 +114,18 @@ class RolloutEngine(ABC):
     # to its ``plan_kv_cache(bytes)`` before ``setup`` (VLLMEngine's ``kv_cache_gib: plan``)
     wants_kv_plan: bool = False
 
+    @property
+    def sampled_vocab(self) -> int | None:
+        """How many of the senior head's logits the engine samples and scores tokens over (the
+        first ones); None: all of them. The token-level engines draw from the tokenizer's
+        vocabulary (``TokenClasses``): a head's rows past it are padding no token id decodes to
+        (Qwen3's 151,936 rows for 151,669 tokens). The update's log-probs normalise over the same
+        tokens, so an importance ratio compares the distribution the token was drawn from; on
+        random weights, where padding rows carry real mass, a mismatch would be a gap of
+        log(rows / tokens) on every token (0.49 nats for a 248,320-row head read by Qwen3's
+        tokenizer)."""
+        return len(self.tokenizer)
+
     def kv_pool_size(self) -> tuple[int | None, float | None]:
         """The KV pool this engine holds whatever the batch, for the memory plan: (token positions,
         GiB), at most one set; (None, None): caches sized by the batch (rows x their tokens), as

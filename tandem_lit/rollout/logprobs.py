@@ -217,13 +217,16 @@ def packed_hidden_states(model: nn.Module, rollout: Rollout) -> Tensor:  # -> [C
 
 def completion_logprobs(
     model: nn.Module, rollout: Rollout, temperature: float, packed: bool = False, fused: bool = False,
+    vocab: int | None = None,
 ) -> Tensor:  # -> [N, T]
     """log p(token_t | prompt, tokens_<t) of every completion token, logits divided by
     ``temperature`` (if > 0). Padding positions get some value (0 when ``packed``); callers mask
     them. ``packed``: one forward over the concatenated sequences; ``fused``: Liger's fused head
-    (module docstring)."""
+    (module docstring). ``vocab``: normalise over the head's first ``vocab`` logits only, the
+    tokens the engine samples from (``RolloutEngine.sampled_vocab``); None: all of them."""
     causal_lm = plain_model(model)
     head = causal_lm.get_output_embeddings()
+    kept = None if vocab is None or vocab >= head.weight.shape[0] else vocab
     softcap = getattr(causal_lm.config, "final_logit_softcapping", None)
     completion = rollout.completion_ids
     if packed:  # the written tokens as one row: no logits for padding either
@@ -233,11 +236,11 @@ def completion_logprobs(
         hidden = completion_hidden_states(model, rollout)
     width = completion.shape[1]
     if fused:
-        logp = liger_logprobs(hidden, head.weight, completion, temperature, CHUNK_ELEMENTS)
+        logp = liger_logprobs(hidden, head.weight[:kept], completion, temperature, CHUNK_ELEMENTS)
         return logp.new_zeros(written.shape).masked_scatter(written, logp[0]) if packed else logp
 
     def chunk_logprobs(h: Tensor, targets: Tensor) -> Tensor:
-        logits = head(h).float()
+        logits = head(h)[..., :kept].float()
         if softcap:
             logits = torch.tanh(logits / softcap) * softcap
         if temperature > 0:
@@ -259,10 +262,11 @@ def completion_logprobs(
 
 
 @torch.no_grad()
-def completion_top_tokens(model: nn.Module, rollout: Rollout) -> Tensor:  # -> [N, T] long
+def completion_top_tokens(model: nn.Module, rollout: Rollout, vocab: int | None = None) -> Tensor:  # -> [N, T] long
     """The model's most likely token at every completion position, teacher-forced on the
-    completion (what it would have written next after each prefix)."""
+    completion (what it would have written next after each prefix), among the head's first
+    ``vocab`` tokens (None: all)."""
     head = plain_model(model).get_output_embeddings()
     hidden = completion_hidden_states(model, rollout)
     step = max(1, CHUNK_ELEMENTS // (hidden.shape[0] * head.weight.shape[0]))
-    return torch.cat([head(hidden[:, s : s + step]).argmax(-1) for s in range(0, hidden.shape[1], step)], dim=1)
+    return torch.cat([head(hidden[:, s : s + step])[..., :vocab].argmax(-1) for s in range(0, hidden.shape[1], step)], dim=1)

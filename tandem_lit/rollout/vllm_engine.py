@@ -160,6 +160,8 @@ class VLLMEngine(RolloutEngine):
     """
 
     queues_rows = True  # vLLM's scheduler admits requests as its KV cache allows
+    # vLLM samples and scores over every logit of the model's vocabulary (config.vocab_size)
+    sampled_vocab = None
 
     def __init__(
         self,

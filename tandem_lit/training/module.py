@@ -205,6 +205,7 @@ class TandemModule(EvaluationSteps, L.LightningModule):
                 self.engine.plan_kv_cache(estimate.rollout["KV caches"])
             with gathered(self.senior):  # (a no-op unless FSDP shards the senior)
                 self.engine.setup(self.senior, self.junior, self.tokenizer, self.junior_tokenizer)
+            self.updates.vocab = self.engine.sampled_vocab  # the update scores over what the engine samples from
             self._engine_device = self.device
             self._engine_version = self._policy_version
             rollout_dtype = str(next(self.engine.senior.parameters()).dtype).removeprefix("torch.")

@@ -76,6 +76,7 @@ class UpdatePhase:
         self.warned_gap = False
         self.fused_kernels: tuple[str, ...] = ()  # Liger's in use (memory.fused_kernels), decided when fit starts
         self.fused_logprobs = False  # the fused head among them
+        self.vocab: int | None = None  # the engine's sampled vocabulary (RolloutEngine.sampled_vocab), set with it
 
     def bind(self, senior: nn.Module, reference: nn.Module | None, backward: Callable[[Tensor], None]) -> None:
         self.senior, self.reference, self.backward = senior, reference, backward
@@ -246,9 +247,11 @@ class UpdatePhase:
         distribution (the TRL / verl convention), so importance ratios compare like with like.
         ``memory.pack_sequences``: the rows run packed into one row (``rollout.logprobs``);
         ``fused_logprobs``: through Liger's fused head, for the senior and its reference alike.
+        Normalised over the engine's sampled vocabulary (``vocab``), as the engine's own log-probs.
         """
         temperature = self.sampling.temperature if temperature is None else temperature
-        return completion_logprobs(model, rollout, temperature, packed=self.memory.pack_sequences, fused=self.fused_logprobs)
+        return completion_logprobs(model, rollout, temperature, packed=self.memory.pack_sequences, fused=self.fused_logprobs,
+                                   vocab=self.vocab)
 
     @torch.no_grad()
     def behaviour_logprobs(self, rollout: Rollout, device: torch.device, rows: Tensor | None = None,
