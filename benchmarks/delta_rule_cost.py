@@ -7,6 +7,9 @@ with autocast off, as FastEngine runs its recurrence; on CUDA it runs ``models.d
 instead, the chunk loop as two Triton kernels (``triton``). This times one call's forward +
 backward at the 9B's linear-attention shape (32 value heads of 128, the key heads repeated to them), each way, counts
 the bytes autograd saves, and prints how far the Triton rule's output is from the float32 one.
+``inverse`` is the same rule with the first phase's chunk systems solved through their inverses
+(``models.delta_scan.SOLVES``); the last line splits the rule into its first phase (each solve)
+and its scan, forward + backward each.
 
     python benchmarks/delta_rule_cost.py --device cuda --tokens 4096 --rows 2
     python benchmarks/delta_rule_cost.py --device cpu --tokens 1024 --rows 1
@@ -15,6 +18,7 @@ the bytes autograd saves, and prints how far the Triton rule's output is from th
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from pathlib import Path
@@ -70,8 +74,12 @@ def main() -> None:
     autocast_rule = qwen35.torch_chunk_gated_delta_rule  # transformers' (unwrapped if float32_delta_rule ran)
     autocast_rule = getattr(autocast_rule, "__wrapped__", autocast_rule) if getattr(autocast_rule, "autocast_off", False) else autocast_rule
     rules = {"autocast": autocast_rule, "float32": without_autocast(autocast_rule)}
-    if args.device == "cuda":
-        rules["triton"] = without_autocast(chunk_gated_delta_rule)  # what float32_delta_rule runs on CUDA
+    # ours: what float32_delta_rule runs on CUDA (the scan in Triton); on the CPU the same rule with its torch scan
+    ours = "triton" if args.device == "cuda" else "ours"
+    rules[ours] = without_autocast(chunk_gated_delta_rule)
+    # the first phase's chunk solves the other way (models.delta_scan.SOLVES): through each
+    # chunk's inverse, one solve against the identity (on the CPU: the torch scan)
+    rules["inverse"] = without_autocast(functools.partial(chunk_gated_delta_rule, solve="inverse"))
     results = {name: run(rule, inputs, args.device) for name, rule in rules.items()}
     tokens = args.rows * args.tokens
     for name, (seconds, nbytes) in results.items():
@@ -86,6 +94,53 @@ def main() -> None:
                          for name in ("float32", "triton"))
         print(f"triton_over_float32 time={t / f:.2f} saved_bytes={t_bytes / f_bytes:.2f} "
               f"output_relative_error={((got - want).norm() / want.norm()).item():.2e}")
+    same_scan = ours  # the rule `inverse` differs from in its solves only
+    i, i_bytes = results["inverse"]
+    base, base_bytes = results[same_scan]
+    with torch.no_grad():
+        want, got = (rules[name](*inputs[:3], g=inputs[3], beta=inputs[4], use_qk_l2norm_in_kernel=True)[0].float()
+                     for name in (same_scan, "inverse"))
+    print(f"inverse_over_{same_scan} time={i / base:.2f} saved_bytes={i_bytes / base_bytes:.2f} "
+          f"output_relative_error={((got - want).norm() / want.norm()).item():.2e}")
+    print(phase_split(inputs, args.device))
+
+
+def phase_split(inputs: list[torch.Tensor], device: str) -> str:
+    """Forward + backward of the first phase alone (each solve) and of the scan alone (Triton on
+    CUDA, the torch loop elsewhere), at the same shape: where the rule's time goes."""
+    from tandem_lit.models import delta_scan
+
+    q, k, v, g, beta = (x.detach() for x in inputs)
+    heads = v.shape[2]
+    q, k = (x.repeat_interleave(heads // x.shape[2], dim=2) for x in (q, k))
+    q, k, v, g, beta = (x.transpose(1, 2).float().contiguous().requires_grad_() for x in (q, k, v, g, beta))
+    pad = -q.shape[2] % 64
+    padded = [torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v)] + [torch.nn.functional.pad(x, (0, pad)) for x in (g, beta)]
+    timings = {}
+    for solve in delta_scan.SOLVES:
+        timings[f"first_phase_{solve}"] = timed(lambda solve=solve: delta_scan.chunk_terms(*padded, 64, solve), device)
+    terms = [t.detach().requires_grad_() for t in delta_scan.chunk_terms(*padded, 64)]
+    if device == "cuda":
+        from tandem_lit.models.delta_scan_kernels import scan_triton
+
+        timings["scan_triton"] = timed(lambda: scan_triton(*terms, None), device)
+    else:
+        timings["scan_torch"] = timed(lambda: delta_scan.scan_reference(*terms, None), device)
+    return " ".join(f"{name}_ms={ms:.1f}" for name, ms in timings.items())
+
+
+def timed(forward, device: str) -> float:
+    """Milliseconds of ``forward()`` and a backward through all it returns (the second of two calls)."""
+    for _ in range(2):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        outputs = [t for t in forward() if t.requires_grad]
+        torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    return 1000 * seconds
 
 
 def without_autocast(rule):

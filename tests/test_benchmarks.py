@@ -200,3 +200,19 @@ def test_train_step_estimate_only_sizes_a_paged_pool_as_an_h200_would(repo_root,
     assert "fits_h200=True" in free[-1]  # 128 rows of prompt + cap would need ~141 GiB of KV alone
     given = estimate("--kv-cache-gib", "64")
     assert any("64.0 GiB (engine.kv_cache_tokens / kv_cache_gib)" in line for line in given)
+
+
+def test_delta_rule_cost_times_each_solve_and_the_scan_apart(repo_root):
+    """benchmarks/delta_rule_cost.py on the CPU: the rules (transformers' under autocast and in
+    float32, ours, ours solving through inverses), the inverse's distance from ours, and the
+    first phase / scan split the GPU run decides the default solve from."""
+    pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+    run = subprocess.run([sys.executable, "benchmarks/delta_rule_cost.py", "--device", "cpu", "--tokens", "128"],
+                         cwd=repo_root, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.strip().splitlines()
+    inverse = next(line for line in lines if line.startswith("inverse_over_ours "))
+    assert float(inverse.split("output_relative_error=")[1]) < 1e-5
+    split = dict(part.split("=") for part in lines[-1].split())
+    assert set(split) == {"first_phase_triangular_ms", "first_phase_inverse_ms", "scan_torch_ms"}
+    assert all(float(v) > 0 for v in split.values())

@@ -82,6 +82,25 @@ def test_the_torch_scan_equals_transformers_rule(initial):
         torch.testing.assert_close(grad, want_grads[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
+def test_solving_each_chunk_through_its_inverse_equals_the_two_triangular_solves():
+    """``solve="inverse"`` (one solve against the identity, then two products) against the two
+    solves transformers runs: outputs, final state and every gradient, to float32 rounding; with
+    near-collinear keys and betas near 1 too, where the systems are least benign."""
+    from functools import partial
+
+    for seed, spread in ((0, 1.0), (3, 0.05)):
+        inputs = layer_inputs(2, 150, 2, 4, 32, 32, initial=True, seed=seed)
+        with torch.no_grad():  # keys close to one direction: large off-diagonal terms in every system
+            base = inputs["key"][:, :1].clone()
+            inputs["key"].copy_(base + spread * inputs["key"])
+            inputs["beta"].copy_(0.5 + 0.5 * inputs["beta"])
+        want_out, want_final, want_grads = output_and_grads(partial(chunk_gated_delta_rule, solve="triangular"), inputs)
+        out, final, grads = output_and_grads(partial(chunk_gated_delta_rule, solve="inverse"), inputs)
+        assert relative_error(out, want_out) < 1e-5 and relative_error(final, want_final) < 1e-5
+        for name, grad in grads.items():
+            assert relative_error(grad, want_grads[name]) < 1e-4, name
+
+
 def test_the_final_state_is_none_unless_asked_and_the_output_keeps_the_input_dtype():
     inputs = {name: x.detach() for name, x in layer_inputs(1, 70, 1, 2, 16, 32, initial=False).items()}
     inputs["value"] = inputs["value"].bfloat16()

@@ -46,9 +46,20 @@ def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)
 
 
-def chunk_terms(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, chunk_size: int):
+# How the first phase solves each chunk's unit lower-triangular system: ``triangular`` solves it for
+# the values and for the decayed keys (two solves of V and K right-hand sides, as transformers),
+# ``inverse`` solves it once against the identity (C right-hand sides) and multiplies the two by
+# that inverse, as flash-linear-attention's kernels do. Same result to float32 rounding
+# (tests/test_delta_scan.py); which is faster on a GPU: benchmarks/delta_rule_cost.py.
+SOLVES = ("triangular", "inverse")
+SOLVE = "triangular"
+
+
+def chunk_terms(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, chunk_size: int,
+                solve: str | None = None):
     """The first phase: what the scan reads, from float32 [B, H, L, *] inputs already padded to a
-    multiple of ``chunk_size``. Returns q, k, u, w [B, H, N, C, *], attn [B, H, N, C, C], decay [B, H, N]."""
+    multiple of ``chunk_size``. Returns q, k, u, w [B, H, N, C, *], attn [B, H, N, C, C], decay [B, H, N].
+    ``solve``: one of ``SOLVES`` (None: ``SOLVE``)."""
     batch, heads, length, _ = key.shape
     chunked = [x.reshape(batch, heads, length // chunk_size, chunk_size, -1) for x in (query, key, value)]
     query, key, value = chunked
@@ -60,8 +71,14 @@ def chunk_terms(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tens
     k_beta = key * beta
     system = (k_beta @ key.transpose(-1, -2)) * pairwise  # unit lower-triangular once the identity is added
     attn = (query @ key.transpose(-1, -2)) * pairwise
-    u = torch.linalg.solve_triangular(system, value * beta, upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, k_beta * cum_decay.exp()[..., None], upper=False, unitriangular=True)
+    decayed_keys = k_beta * cum_decay.exp()[..., None]
+    if (solve or SOLVE) == "inverse":
+        identity = torch.eye(chunk_size, dtype=system.dtype, device=system.device).expand_as(system)
+        inverse = torch.linalg.solve_triangular(system, identity, upper=False, unitriangular=True)
+        u, w = inverse @ (value * beta), inverse @ decayed_keys
+    else:
+        u = torch.linalg.solve_triangular(system, value * beta, upper=False, unitriangular=True)
+        w = torch.linalg.solve_triangular(system, decayed_keys, upper=False, unitriangular=True)
     q = query * cum_decay.exp()[..., None]
     k = key * (cum_decay[..., -1:] - cum_decay).exp()[..., None]
     return q, k, u, w, attn, cum_decay[..., -1].exp()
@@ -69,14 +86,15 @@ def chunk_terms(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tens
 
 def chunk_gated_delta_rule(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, chunk_size: int = 64,
                            initial_state: Tensor | None = None, output_final_state: bool = False,
-                           use_qk_l2norm_in_kernel: bool = False, **kwargs) -> tuple[Tensor, Tensor | None]:
+                           use_qk_l2norm_in_kernel: bool = False, solve: str | None = None,
+                           **kwargs) -> tuple[Tensor, Tensor | None]:
     """transformers' ``torch_chunk_gated_delta_rule`` (same arguments, outputs and gradients to
     float32 rounding), the scan in Triton when the inputs are on CUDA.
 
     query, key: [B, L, HK, K]; value: [B, L, H, V] (H a multiple of HK: each key head serves
     H // HK consecutive value heads); g (log decay, <= 0), beta: [B, L, H]; initial_state
     [B, H, K, V] or None. Returns the output [B, L, H, V] in query's dtype and, if asked, the final
-    state [B, H, K, V] in float32."""
+    state [B, H, K, V] in float32. ``solve``: how the first phase solves its chunks (``SOLVES``)."""
     if kwargs.get("cu_seqlens") is not None or kwargs.get("seq_idx") is not None:
         raise ValueError("chunk_gated_delta_rule cannot keep packed sequences apart (as transformers' torch path)")
     dtype, length = query.dtype, query.shape[1]
@@ -89,7 +107,7 @@ def chunk_gated_delta_rule(query: Tensor, key: Tensor, value: Tensor, g: Tensor,
     pad = -length % chunk_size
     query, key, value = (F.pad(x, (0, 0, 0, pad)) for x in (query, key, value))
     g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
-    terms = chunk_terms(query, key, value, g, beta, chunk_size)
+    terms = chunk_terms(query, key, value, g, beta, chunk_size, solve)
     state = None if initial_state is None else initial_state.float()
     if query.is_cuda:
         from tandem_lit.models.delta_scan_kernels import scan_triton
