@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The GPU runs behind docs/benchmarks.md's open numbers, by name, so that a lent machine's minutes
+# go to measuring. Each stage writes its log (and JSON where the script has one) under $OUT.
+#
+#     OUT=/tmp/out TOKENIZER=<qwen3 tokenizer> PROBLEMS=<deepscaler_subset_803.json> bash benchmarks/h200.sh STAGE...
+#
+# TOKENIZER and PROBLEMS default to ../shared (the developers' checkout), WHEELS to .whl: wheels
+# installed first into /tmp/site where the machine lacks them (jsonargparse, liger-kernel, ...).
+# Minutes are wall time on one H200 at 2026-12-03, model builds and warm-up steps included.
+set -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:?set OUT to a folder for the logs}
+TOKENIZER=${TOKENIZER:-../shared/models/qwen3-tokenizer}
+PROBLEMS=${PROBLEMS:-../shared/data/deepscaler/train/deepscaler_subset_803.json}
+WHEELS=${WHEELS:-.whl}
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+if compgen -G "$WHEELS/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
+    || { echo "installing $WHEELS failed"; exit 1; }
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+LOGNORMAL="lognormal:median=1000,sigma=0.8,cap=3000"
+DATA=(--tokenizer "$TOKENIZER" --problems "$PROBLEMS")
+
+stage() {  # name, seconds allowed, command...
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name $(date +%T): $*"
+  timeout -s KILL "$limit" "$@" 2>&1 | tee "$OUT/$name.txt"
+  echo "=== $name rc=$? $(date +%T)"
+}
+
+for name in "$@"; do
+  case $name in
+    # issue 26: where a 9B linear-attention layer's rule spends its time, each solve (~1 min)
+    delta-cost) stage "$name" 120 python3 benchmarks/delta_rule_cost.py --device cuda --tokens 4096 --rows 2;;
+    # issue 26: the issue's own 9B LoRA step, with its update profiled in one more step (~10 min)
+    lora9) stage "$name" 590 python3 benchmarks/train_step.py --config configs/rlvr/qwen35_9b_2b_tandem.yaml "${DATA[@]}" \
+      --arms tandem --lora 16 --gradient-checkpointing --warmup-steps 1 --json "$OUT/$name.json";;
+    lora9-profile) stage "$name" 590 python3 benchmarks/train_step.py --config configs/rlvr/qwen35_9b_2b_tandem.yaml "${DATA[@]}" \
+      --arms tandem --lora 16 --gradient-checkpointing --warmup-steps 1 --max-new-tokens 1000 \
+      --profile-update "$OUT/update_profile_lora9" --json "$OUT/$name.json";;
+    # issue 24: the Qwen3.5 pair with both refill rules, one policy a call (~6 min each)
+    q35-solo|q35-tandem) stage "$name" 590 python3 benchmarks/rollout.py --device cuda --models qwen35-9b-2b --batches 64 \
+      --queue 2 --lengths "$LOGNORMAL" --refill amortized eager --policies "${name#q35-}" --json "$OUT/$name.json";;
+    # issue 24: the paper config as written, both arms at lognormal lengths (~9.5 min), the tandem arm at fixed lengths (~6 min)
+    both-lognormal) stage "$name" 590 python3 benchmarks/train_step.py --config configs/rlvr/qwen3_4b_tandem.yaml "${DATA[@]}" \
+      --arms tandem grpo --lengths "$LOGNORMAL" --warmup-steps 1 --json "$OUT/$name.json";;
+    tandem-fixed) stage "$name" 590 python3 benchmarks/train_step.py --config configs/rlvr/qwen3_4b_tandem.yaml "${DATA[@]}" \
+      --arms tandem --warmup-steps 1 --json "$OUT/$name.json";;
+    # issue 27: the GRPO arm at lognormal lengths, its update profiled in one more step (~5 min)
+    grpo-profile) stage "$name" 590 python3 benchmarks/train_step.py --config configs/rlvr/qwen3_4b_tandem.yaml "${DATA[@]}" \
+      --arms grpo --lengths "$LOGNORMAL" --warmup-steps 1 --profile-update "$OUT/update_profile_grpo" --json "$OUT/$name.json";;
+    *) echo "unknown stage $name (see the case list in $0)"; exit 2;;
+  esac
+done
