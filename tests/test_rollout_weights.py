@@ -126,6 +126,7 @@ def test_every_rollout_after_an_update_decodes_the_updated_weights(tmp_path, lor
         sampling=SamplingConfig(temperature=1.0, n=4, max_new_tokens=12),
         optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
         mini_batch_size=1,  # two updates per step: the copy follows the last one
+        rollout_batch_size=3,  # 3 of a step's 8 rollouts at once, the rest refilled as they finish
     )
     trainer = L.Trainer(
         max_steps=6, logger=False, enable_checkpointing=False, limit_val_batches=0, accelerator="cpu", devices=1,
@@ -143,3 +144,4 @@ def test_every_rollout_after_an_update_decodes_the_updated_weights(tmp_path, lor
     assert all(row["train/rollout_logp_gap_max"] >= row["train/rollout_logp_gap_mean"] for row in steps)
     assert all(row["train/rollout_setup_seconds"] > 0 for row in steps), "caches are released and re-allocated"
     assert all(0 < row["train/rollout_busy_slot_fraction"] <= 1 for row in steps)
+    assert all(row["train/rollout_refilled_sequences"] == 8 - 3 and row["train/rollout_refills"] >= 1 for row in steps)

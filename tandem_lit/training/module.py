@@ -402,4 +402,7 @@ def engine_phases(timing: dict[str, float]) -> dict[str, float]:
         "rollout_prompt_width": timing["prompt_width"] / timing["calls"],
         # FastEngine's continuous batching: the share of decoded row-steps that wrote a token
         **({"rollout_busy_slot_fraction": timing["busy_slot_fraction"] / timing["calls"]} if "busy_slot_fraction" in timing else {}),
+        # ... and its refills: prefills of queued sequences into freed rows, and the sequences they admitted
+        **({"rollout_refills": timing["refills"], "rollout_refilled_sequences": timing["refilled_sequences"]}
+           if "refilled_sequences" in timing else {}),
     }
