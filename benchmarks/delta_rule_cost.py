@@ -28,6 +28,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+def second_call_seconds(call, device: str) -> float:
+    """Seconds of the second of two calls of ``call()`` (the first compiles and warms up)."""
+    for _ in range(2):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        call()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    return seconds
+
+
 def run(rule, inputs: list[torch.Tensor], device: str) -> tuple[float, int]:
     """Seconds of forward + backward (the second of two calls) and bytes autograd saved."""
     saved: dict[int, int] = {}
@@ -36,20 +49,14 @@ def run(rule, inputs: list[torch.Tensor], device: str) -> tuple[float, int]:
         saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
         return tensor
 
-    seconds = 0.0
-    for _ in range(2):
+    def call() -> None:
         saved.clear()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
         with torch.autocast(device, dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             q, k, v, g, beta = inputs
             out, _ = rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
         out.float().square().mean().backward()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
-    return seconds, sum(saved.values())
+
+    return second_call_seconds(call, device), sum(saved.values())
 
 
 def main() -> None:
@@ -131,16 +138,12 @@ def phase_split(inputs: list[torch.Tensor], device: str) -> str:
 
 def timed(forward, device: str) -> float:
     """Milliseconds of ``forward()`` and a backward through all it returns (the second of two calls)."""
-    for _ in range(2):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
+
+    def call() -> None:
         outputs = [t for t in forward() if t.requires_grad]
         torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
-        if device == "cuda":
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
-    return 1000 * seconds
+
+    return 1000 * second_call_seconds(call, device)
 
 
 def without_autocast(rule):

@@ -129,19 +129,13 @@ class _PhaseClock:
         self.marks: list = []
 
     def mark(self) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append(event)
-        else:
-            self.marks.append(time.perf_counter())
+        self.marks.append(_mark(self.cuda))
 
     def seconds(self) -> list[float]:
         """Time between consecutive marks (waits for the last one on CUDA)."""
         if self.cuda:
             self.marks[-1].synchronize()
-            return [a.elapsed_time(b) / 1000 for a, b in zip(self.marks, self.marks[1:])]
-        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+        return [_seconds(a, b) for a, b in zip(self.marks, self.marks[1:])]
 
 
 class FastEngine(RolloutEngine):
@@ -558,12 +552,7 @@ class FastEngine(RolloutEngine):
         run.compactions += 1
 
     def _event(self):
-        device = self._batch.slot.device
-        if device.type != "cuda":
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+        return _mark(self._batch.slot.device.type == "cuda")
 
     def last_timing(self) -> dict[str, float]:
         """Where the last ``generate`` spent its time: setup seconds (cache allocation and graph
@@ -601,8 +590,17 @@ class FastEngine(RolloutEngine):
         return min(math.ceil(needed / self.kv_block) * self.kv_block, self._batch.length)
 
 
+def _mark(cuda: bool):
+    """A point in time: a CUDA event recorded on the current stream, or the host clock."""
+    if not cuda:
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
 def _seconds(start, end) -> float:
-    """Between two marks of ``FastEngine._event``: CUDA events (recorded, and done) or host clocks."""
+    """Between two ``_mark``s: CUDA events (recorded, and done) or host clocks."""
     return start.elapsed_time(end) / 1000 if isinstance(start, torch.cuda.Event) else end - start
 
 
