@@ -217,5 +217,7 @@ def test_float32_delta_rule_routes_a_built_qwen35_model_and_keeps_the_cpu_path(m
     monkeypatch.setattr(logprobs, "TRITON_SCAN_DEVICES", frozenset({"cpu", "cuda"}))  # as on a device that runs the kernels
     logits, grad = logits_and_grad()
     assert calls == ["cpu"] * 3  # each linear-attention layer, once (the backward reuses the forward's graph)
-    torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(grad, want_grad, rtol=1e-4, atol=1e-6)
+    # float32 rounding apart: the chunk systems are solved through their inverses (delta_scan.SOLVE),
+    # transformers solves them directly (up to 1.6e-5 apart on these logits, 1.4e-6 on the gradient)
+    torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=5e-5)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-4, atol=5e-6)

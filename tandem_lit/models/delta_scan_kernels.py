@@ -20,11 +20,12 @@ import triton.language as tl
 from torch import Tensor
 
 DOT_PRECISION = "ieee"
-BLOCK_V = 32  # value columns per program: 4 blocks x 32 heads x 2 rows = 256 programs at the 9B's shape
+BLOCK_V = 16  # value columns per program: 8 blocks x 32 heads x 2 rows = 512 programs at the 9B's shape
 # Triton's default of 3 pipeline stages asks 256 KiB of shared memory for the forward (320 KiB for
 # the backward) at K = 128, over Hopper's 227 KiB (it failed on the H200); one stage needs 48 / 72
 # KiB, which also fits an A100 (compiled for sm_90 on the CPU: metadata.shared)
 NUM_STAGES = 1
+NUM_WARPS = 8  # with BLOCK_V 16: 2.9x faster than 32 x 4 warps on the H200 (benchmarks/delta_scan_tune.py)
 
 
 @triton.jit
@@ -106,7 +107,7 @@ class DeltaScan(torch.autograd.Function):
     """The scan over [B*H, N, C, *] float32 inputs (contiguous): o and the final state."""
 
     @staticmethod
-    def forward(ctx, q, k, u, w, attn, decay, initial_state, block_v):
+    def forward(ctx, q, k, u, w, attn, decay, initial_state, block_v, dot, num_warps):
         bh, chunks, chunk, k_dim = q.shape
         v_dim = u.shape[-1]
         bk, bv = _blocks(k_dim, v_dim, block_v)
@@ -115,11 +116,11 @@ class DeltaScan(torch.autograd.Function):
         final = q.new_empty(bh, k_dim, v_dim)
         _scan_forward_kernel[(triton.cdiv(v_dim, bv), bh)](
             q, k, u, w, attn, decay, initial_state if initial_state is not None else final, o, v, states, final,
-            chunks, K=k_dim, V=v_dim, C=chunk, BK=bk, BV=bv, HAS_INITIAL=initial_state is not None, DOT=DOT_PRECISION,
-            num_stages=NUM_STAGES,
+            chunks, K=k_dim, V=v_dim, C=chunk, BK=bk, BV=bv, HAS_INITIAL=initial_state is not None, DOT=dot,
+            num_stages=NUM_STAGES, num_warps=num_warps,
         )
         ctx.save_for_backward(q, k, w, attn, decay, states, v)
-        ctx.has_initial, ctx.block_v = initial_state is not None, block_v
+        ctx.has_initial, ctx.block_v, ctx.dot, ctx.num_warps = initial_state is not None, block_v, dot, num_warps
         ctx.set_materialize_grads(False)  # an unused final state's gradient stays None: nothing to load
         return o, final
 
@@ -138,18 +139,20 @@ class DeltaScan(torch.autograd.Function):
         _scan_backward_kernel[(blocks, bh)](
             q, k, w, attn, decay, states, v, d_out, d_final.contiguous() if d_final is not None else ds0,
             du, dq, dk, dw, dattn, ddecay, ds0, bh, chunks,
-            K=k_dim, V=v_dim, C=chunk, BK=bk, BV=bv, HAS_FINAL_GRAD=d_final is not None, DOT=DOT_PRECISION,
-            num_stages=NUM_STAGES,
+            K=k_dim, V=v_dim, C=chunk, BK=bk, BV=bv, HAS_FINAL_GRAD=d_final is not None, DOT=ctx.dot,
+            num_stages=NUM_STAGES, num_warps=ctx.num_warps,
         )
         return (dq.sum(0), dk.sum(0), du, dw.sum(0), dattn.sum(0), ddecay.sum(0),
-                ds0 if ctx.has_initial else None, None)
+                ds0 if ctx.has_initial else None, None, None, None)
 
 
 def scan_triton(q: Tensor, k: Tensor, u: Tensor, w: Tensor, attn: Tensor, decay: Tensor,
-                initial_state: Tensor | None, block_v: int = BLOCK_V) -> tuple[Tensor, Tensor]:
-    """``delta_scan.scan_reference``'s contract ([B, H, N, C, *] in, o and final state out) on the kernels."""
+                initial_state: Tensor | None, block_v: int = BLOCK_V, dot: str = DOT_PRECISION,
+                num_warps: int = NUM_WARPS) -> tuple[Tensor, Tensor]:
+    """``delta_scan.scan_reference``'s contract ([B, H, N, C, *] in, o and final state out) on the kernels.
+    ``block_v``, ``dot`` (Triton's ``input_precision``) and ``num_warps``: benchmarks/delta_scan_tune.py."""
     batch, heads, chunks, chunk, k_dim = q.shape
     flat = [x.flatten(0, 1).contiguous() for x in (q, k, u, w, attn, decay)]
     state = None if initial_state is None else initial_state.flatten(0, 1).contiguous()
-    o, final = DeltaScan.apply(*flat, state, block_v)
+    o, final = DeltaScan.apply(*flat, state, block_v, dot, num_warps)
     return o.view(batch, heads, chunks, chunk, -1), final.view(batch, heads, k_dim, -1)
