@@ -6,7 +6,9 @@
 #
 # TOKENIZER and PROBLEMS default to ../shared (the developers' checkout), WHEELS to .whl: wheels
 # installed first into /tmp/site where the machine lacks them (jsonargparse, liger-kernel, ...).
-# Minutes are wall time on one H200 at 2026-12-03, model builds and warm-up steps included.
+# Minutes are wall time on one H200 at 2026-12-03, model builds and warm-up steps included. The
+# full-weight 4B stages run two warm-up steps: the first offload of the optimizer state pins ~30 GB
+# of host buffers (~25 s) and belongs to no steady-state step.
 set -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:?set OUT to a folder for the logs}
@@ -34,6 +36,8 @@ for name in "$@"; do
   case $name in
     # issue 26: where a 9B linear-attention layer's rule spends its time, each solve (~1 min)
     delta-cost) stage "$name" 120 python3 benchmarks/delta_rule_cost.py --device cuda --tokens 4096 --rows 2;;
+    # issue 26: the scan kernel over its dot precision, value block and warps (~2 min)
+    scan-tune) stage "$name" 240 python3 benchmarks/delta_scan_tune.py --tokens 4096 --rows 2;;
     # issue 26: the issue's own 9B LoRA step, with its update profiled in one more step (~10 min)
     lora9) stage "$name" 590 python3 benchmarks/train_step.py --config configs/rlvr/qwen35_9b_2b_tandem.yaml "${DATA[@]}" \
       --arms tandem --lora 16 --gradient-checkpointing --warmup-steps 1 --json "$OUT/$name.json";;
@@ -45,12 +49,12 @@ for name in "$@"; do
       --queue 2 --lengths "$LOGNORMAL" --refill amortized eager --policies "${name#q35-}" --json "$OUT/$name.json";;
     # issue 24: the paper config as written, both arms at lognormal lengths (~9.5 min), the tandem arm at fixed lengths (~6 min)
     both-lognormal) stage "$name" 590 python3 benchmarks/train_step.py --config configs/rlvr/qwen3_4b_tandem.yaml "${DATA[@]}" \
-      --arms tandem grpo --lengths "$LOGNORMAL" --warmup-steps 1 --json "$OUT/$name.json";;
+      --arms tandem grpo --lengths "$LOGNORMAL" --warmup-steps 2 --json "$OUT/$name.json";;
     tandem-fixed) stage "$name" 590 python3 benchmarks/train_step.py --config configs/rlvr/qwen3_4b_tandem.yaml "${DATA[@]}" \
-      --arms tandem --warmup-steps 1 --json "$OUT/$name.json";;
+      --arms tandem --warmup-steps 2 --json "$OUT/$name.json";;
     # issue 27: the GRPO arm at lognormal lengths, its update profiled in one more step (~5 min)
     grpo-profile) stage "$name" 590 python3 benchmarks/train_step.py --config configs/rlvr/qwen3_4b_tandem.yaml "${DATA[@]}" \
-      --arms grpo --lengths "$LOGNORMAL" --warmup-steps 1 --profile-update "$OUT/update_profile_grpo" --json "$OUT/$name.json";;
+      --arms grpo --lengths "$LOGNORMAL" --warmup-steps 2 --profile-update "$OUT/update_profile_grpo" --json "$OUT/$name.json";;
     *) echo "unknown stage $name (see the case list in $0)"; exit 2;;
   esac
 done
