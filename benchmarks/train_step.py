@@ -348,12 +348,13 @@ class StepReport(L.Callback):
 
     def on_fit_start(self, trainer, module):
         self.shapes = UpdateShapes(module)
-        self.device_used = 0.0
+        self.device_used = self.rollout_device_used = 0.0
         if trainer.strategy.root_device.type == "cuda":
             release = module.engine.release
 
             def sampled_release():  # the rollout's high point: caches (vLLM's KV pool) still held
                 self.sample_device_memory()
+                self.rollout_device_used = max(self.rollout_device_used, self.device_used)
                 release()
 
             module.engine.release = sampled_release
@@ -370,7 +371,7 @@ class StepReport(L.Callback):
         if trainer.strategy.root_device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-            self.device_used = 0.0
+            self.device_used = self.rollout_device_used = 0.0
         self.started = time.perf_counter()
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
@@ -403,6 +404,12 @@ class StepReport(L.Callback):
             "logp_gap_max": row.get("train/rollout_logp_gap_max", float("nan")),
             "peak_gb": row.get("train/peak_memory_gb", float("nan")),
             "device_used_gb": self.device_used,
+            "rollout_device_used_gb": self.rollout_device_used,
+            "decode_seconds": row.get("train/rollout_decode_seconds", float("nan")),
+            "decode_steps": row.get("train/rollout_decode_steps", float("nan")),
+            "preemptions": row.get("train/rollout_preemptions", 0.0),
+            "resumed_tokens": row.get("train/rollout_resumed_tokens", 0.0),
+            "kv_pool_peak_fraction": row.get("train/rollout_kv_pool_peak_fraction", float("nan")),
             "offload_seconds": row.get("train/optimizer_offload_seconds", 0.0),
             **{f"update_{part}_seconds": row.get(f"train/update_{part}_seconds", float("nan"))
                for part in ("logprob", "passes", "optimizer")},
@@ -418,18 +425,22 @@ class StepReport(L.Callback):
         step["update_mfu"] = flops / (step["update_seconds"] * self.peak_tflops * 1e12)
         step["update_trained_tokens"] = sum(shapes["prompts"]) + sum(shapes["completions"]) if shapes else 0
         self.steps.append(step)
-        roofline = (f" = {step['decode_roofline_share']:.0%} of roofline {step['roofline_ms']:.2f} ms" if self.fixed_lengths
-                    else "")
+        roofline = (f" ({step['decode_roofline_share']:.0%} of the roofline of every row decoding at once, {step['roofline_ms']:.2f} ms)"
+                    if self.fixed_lengths else "")
+        preempted = (f"{step['preemptions']:.0f} preempted, {step['resumed_tokens']:,.0f} tokens prefilled again to resume, pool "
+                     f"peak {step['kv_pool_peak_fraction']:.0%}; " if step["kv_pool_peak_fraction"] == step["kv_pool_peak_fraction"] else "")
         say(f"{self.arm:>7} step {len(self.steps)}: {seconds:7.1f} s = rollout {step['rollout_seconds']:6.1f} s "
-              f"(setup {step['setup_seconds']:.2f}, prefill {step['prefill_seconds']:.2f}, decode "
-              f"{step['decode_step_ms']:.2f} ms/step{roofline}; {step['rollout_tokens_per_second']:,.0f} tok/s; optimizer offload "
+              f"(setup {step['setup_seconds']:.2f}, prefill {step['prefill_seconds']:.2f}, decode {step['decode_seconds']:.1f} s = "
+              f"{step['decode_steps']:,.0f} steps x {step['decode_step_ms']:.2f} ms{roofline}; {preempted}"
+              f"{step['rollout_tokens_per_second']:,.0f} tok/s; optimizer offload "
               f"{step['offload_seconds']:.1f} s) + update {step['update_seconds']:6.1f} s (log-probs "
               f"{step['update_logprob_seconds']:.1f} s, passes {step['update_passes_seconds']:.1f} s, optimizer "
               f"{step['update_optimizer_seconds']:.1f} s; {step['update_tflops']:.3g} "
               f"TFLOP over {step['update_trained_tokens']:,} tokens = {step['update_mfu']:.1%} MFU of {self.peak_tflops:g} "
               f"TFLOP/s); logp gap mean "
               f"{step['logp_gap_mean']:.4f} max {step['logp_gap_max']:.3f}; peak {step['peak_gb']:.1f} GiB "
-              f"(torch allocator; device in use, sampled before the engine releases its caches and at the step end: {step['device_used_gb']:.1f} GiB)")
+              f"(torch allocator; device in use before the engine releases its caches {step['rollout_device_used_gb']:.1f} GiB, "
+              f"the most of that and the step end {step['device_used_gb']:.1f} GiB)")
 
 
 def rank_zero() -> bool:

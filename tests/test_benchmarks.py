@@ -51,6 +51,8 @@ def test_train_step_benchmark_with_lognormal_lengths_trains_on_each_rollouts_own
     assert arm["kv_cache"] == "paged"  # --kv-cache reached FastEngine (the gap below: paged decoding is exact)
     (step,) = arm["steps"]
     assert 1 <= step["response_length"] < 12  # a median-6 draw capped at 16, not the fixed 16
+    assert step["decode_steps"] >= step["response_length"] and 0 < step["kv_pool_peak_fraction"] <= 1  # the paged engine's own report
+    assert " preempted, " in run.stdout and step["decode_seconds"] > 0
     # the dumped passes take the step's gap apart offline: float32 on the CPU, engine == forward
     report = subprocess.run([sys.executable, "benchmarks/gap_report.py", str(tmp_path / "gap.grpo.pt")],
                             cwd=repo_root, capture_output=True, text=True, timeout=120)

@@ -26,6 +26,7 @@ from tandem_lit.rollout.record import PromptBatch
 from tandem_lit.rollout.sampling import SamplingConfig, sequence_seeds
 from tandem_lit.rollout.static import FastEngine
 from tandem_lit.rollout.static import engine as fast_engine
+from tandem_lit.rollout.static.engine import prefill_parts, with_responses
 from tandem_lit.rollout.static.scheduler import RefillTimer
 from tandem_lit.rollout.text_handoff import TextHandoffEngine
 from tests.test_fast_engine import build, prompt_batch
@@ -141,14 +142,16 @@ def three_engines(senior, junior, tokenizer):
     return made
 
 
-def check_queue(engines, prompts, policy, sampling):
+def check_queue(engines, prompts, policy, sampling, compacts=True):
+    """``compacts``: the schedule must end in a compaction (with preemptions it may end with
+    every row finishing in one chunk instead)."""
     reference, static, continuous = engines
     want = reference.generate(prompts, policy, sampling)
     assert_same(static.generate(prompts, policy, sampling), want)
     got = continuous.generate(prompts, policy, sampling)
     assert_same(got, want)
     timing = continuous.last_timing()
-    assert timing["refills"] > 0 and timing["compactions"] > 0  # slots were reused and rows moved
+    assert timing["refills"] > 0 and (timing["compactions"] > 0 or not compacts)  # slots were reused and rows moved
     assert 0 < timing["busy_slot_fraction"] <= 1
     return got
 
@@ -310,16 +313,33 @@ def test_the_paged_cache_gives_the_rollouts_of_the_slot_cache(tokenizer, plain_p
     assert timing["preemptions"] == 0 and 0 < timing["kv_pool_peak_fraction"] < 1
 
 
+@pytest.mark.parametrize("prefill_tokens", [16384, 1], ids=["one-prefill", "a-prefill-a-row"])
 @pytest.mark.parametrize("policy", ["solo", "word"])
-def test_a_pool_too_small_for_the_batch_preempts_and_changes_nothing(tokenizer, plain_pair, policy):
-    """Sequences that need a page when none is free preempt the newest ones, which start again
-    from their prompts later: the same rollouts, token for token and log-prob for log-prob."""
+def test_a_pool_too_small_for_the_batch_preempts_and_changes_nothing(tokenizer, plain_pair, policy, prefill_tokens):
+    """Sequences that need a page when none is free preempt the newest ones, which go on later
+    from their prompts and the tokens they wrote, prefilled (in one call, or one row a call): the
+    same rollouts, token for token and log-prob for log-prob."""
     senior, junior = plain_pair
     engines = three_engines(senior, junior, tokenizer)
-    engines[2] = paged(senior, junior, tokenizer, **SMALL_POOL)
+    engines[2] = paged(senior, junior, tokenizer, prefill_tokens=prefill_tokens, **SMALL_POOL)
     check_queue(engines, queue_batch(tokenizer, JUNIOR_PROMPTS), POLICIES[policy], SAMPLED)
     timing = engines[2].last_timing()
     assert timing["preemptions"] > 0 and timing["kv_pool_peak_fraction"] == 1.0
+    assert timing["resumed_tokens"] > 0  # not decoded again from the prompt
+
+
+def test_resumed_prefill_inputs_append_each_rows_tokens_after_its_prompt():
+    ids = torch.tensor([[0, 5, 6], [7, 8, 9]])
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    got_ids, got_mask = with_responses(ids, mask, [torch.tensor([1, 2]), None])
+    assert got_ids.tolist() == [[0, 5, 6, 1, 2], [0, 0, 7, 8, 9]]
+    assert got_mask.tolist() == [[0, 1, 1, 1, 1], [0, 0, 1, 1, 1]]
+
+
+def test_prefill_parts_bound_the_padded_positions_of_each_call():
+    assert prefill_parts([10, 10, 10, 30, 5], budget=30) == [[0, 1, 2], [3], [4]]
+    assert prefill_parts([40, 1], budget=30) == [[0], [1]]  # a row longer than the bound goes alone
+    assert prefill_parts([0, 0, 0], budget=1) == [[0, 1, 2]]  # unknown widths: one call
 
 
 @pytest.mark.parametrize("order", [[9, 3, 0, 7, 1, 8, 2, 6, 4, 5], [5, 4, 6, 2, 8, 1, 7, 0, 3, 9]])
@@ -349,8 +369,10 @@ def test_paged_cache_on_qwen35_hybrid_pairs(tokenizer, pair):
     for pool, preempts in ((dict(kv_page_size=5), False), (SMALL_POOL, True)):
         engines[2] = paged(senior, junior, tokenizer, **pool)
         for policy in (SoloHandoff("senior"), WordHandoff(p=0.5)):
-            check_queue(engines, queue_batch(tokenizer), policy, SAMPLED)
-            assert (engines[2].last_timing()["preemptions"] > 0) == preempts
+            check_queue(engines, queue_batch(tokenizer), policy, SAMPLED, compacts=not preempts)
+            timing = engines[2].last_timing()
+            assert (timing["preemptions"] > 0) == preempts
+            assert (timing["resumed_tokens"] > 0) == preempts  # the preempted went on from their own tokens
 
 
 def test_one_slot_and_a_tiny_pool_reuse_pages_cleanly(tokenizer, plain_pair):

@@ -93,7 +93,7 @@ def test_the_newest_sequence_is_preempted_and_queued_first():
         t.bound[slot] = 3
     # each needs a second page for the next 4 steps; one page is free: the oldest takes it, the
     # second preempts the newest (slot 2) and takes its page; the newest has nothing to do
-    assert t.reserve(steps=4) == [2]
+    assert t.reserve(steps=4) == [(2, 2)]
     assert t.held == [0, 1, -1] and list(t.queue) == [2, 9]
     assert t.preemptions == 1 and 2 not in t.pages.held
     assert t.page_rows()[2] == []  # the emptied row points at the scratch page only
@@ -104,8 +104,23 @@ def test_a_sequence_preempts_itself_when_it_is_the_newest():
     t.admit()
     t.bound[0] = t.bound[1] = 3
     t.pages.grow(0, 8)  # the oldest already took the free page
-    assert t.reserve(steps=4) == [1]  # the newest cannot grow and nobody newer exists
+    assert t.reserve(steps=4) == [(1, 1)]  # the newest cannot grow and nobody newer exists
     assert t.held == [0, -1] and list(t.queue) == [1]
+
+
+def test_a_preempted_sequence_is_readmitted_with_the_tokens_it_wrote():
+    """Readmitted, it needs the pages of its prompt and of what it wrote, and only the rest of its
+    budget: it goes on, it does not start again."""
+    t = table(prompt_tokens=[4, 4], budgets=[30, 30], capacity=2, pages=10, page_size=4)  # 9 usable
+    t.admit()
+    t.bound[0] = t.bound[1] = 3
+    t.pages.grow(0, 24)  # the oldest holds 6 pages, the newest 1: 2 free
+    assert t.reserve(steps=12) == [(1, 1)]
+    t.resume_later(1, written=9)  # the engine read its step counter
+    assert t.start_tokens(1) == 13 and t.start_tokens(0) == 4
+    t.retire([True, False])  # the oldest ends: all pages free again
+    assert t.admit() == ([0], [1])
+    assert len(t.pages.held[1]) == 4 and t.left[0] == 30 - 9  # positions 0..12; 21 tokens to go
 
 
 def test_retire_frees_pages_and_compaction_rewrites_every_row():

@@ -134,6 +134,17 @@ class TandemDecoder:
             s.decisions.index_fill_(0, rows, 0)
             s.junior_draws.index_fill_(0, rows, 0)
 
+    def save(self, rows: Tensor) -> list[Tensor]:
+        """Copies of ``rows``' per-row buffers (``per_row`` order): all of a sequence's decoding
+        state, to ``restore`` in another row later (a preempted sequence that resumes)."""
+        return [buffer[rows].clone() for buffer in self.per_row()]
+
+    def restore(self, rows: Tensor, saved: list[Tensor]) -> None:
+        """Put ``save``d sequences into ``rows``: they go on exactly where they stopped (their
+        step counters, so their RNG draws, included)."""
+        for buffer, values in zip(self.per_row(), saved):
+            buffer.index_copy_(0, rows, values.to(buffer.device))
+
     def vacate(self) -> None:
         """Mark every row empty (finished), before sequences are admitted into some of them."""
         self.state.finished.fill_(True)

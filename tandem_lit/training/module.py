@@ -405,4 +405,9 @@ def engine_phases(timing: dict[str, float]) -> dict[str, float]:
         # ... and its refills: prefills of queued sequences into freed rows, and the sequences they admitted
         **({"rollout_refills": timing["refills"], "rollout_refilled_sequences": timing["refilled_sequences"]}
            if "refilled_sequences" in timing else {}),
+        "rollout_decode_steps": timing["decode_steps"],
+        # ... and its paged pool: sequences preempted when it filled, the tokens they prefilled to go on
+        **({"rollout_preemptions": timing["preemptions"], "rollout_resumed_tokens": timing["resumed_tokens"],
+            "rollout_kv_pool_peak_fraction": timing["kv_pool_peak_fraction"] / timing["calls"]}
+           if "preemptions" in timing else {}),
     }

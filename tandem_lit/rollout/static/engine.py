@@ -20,8 +20,10 @@ kernel launch gaps, host syncs. So:
   cache rows. ``paged`` keeps one pool of fixed-size pages per layer and model and one block
   table row per decode row, shared by both models (``paging.py``): a sequence holds the pages of
   the positions it has written, admission waits for free pages, a sequence that needs a page
-  when none is free preempts the newest one (recomputed later from its prompt: sampling is keyed
-  by seed and position, so it reproduces itself), and compaction moves table rows, not K/V.
+  when none is free preempts the newest one, and compaction moves table rows, not K/V. A
+  preempted sequence keeps its tokens and decoder state; readmitted, it prefills its prompt and
+  those tokens in one pass (vLLM's recompute preemption) and goes on where it stopped, its RNG
+  draws keyed by seed and position as before.
   Qwen3.5's linear-attention states stay per row (they are O(1) per sequence).
 - One decode step = senior forward + junior forward + sampling + handoff draw + author record +
   stop flags (the shared ``TandemDecoder``), written against static buffers and captured once as
@@ -168,14 +170,18 @@ class FastEngine(RolloutEngine):
         kv_cache: ``slots`` (default): one KV cache row of prompt + ``max_new_tokens`` positions per
             decode row. ``paged``: a pool of pages per layer and model, one block table shared by
             both models; sequences hold the pages they use, admission waits for free pages, and a
-            sequence that needs a page when none is free preempts the newest (recomputed from its
-            prompt later, with the same result), so concurrency is bounded by the tokens in use.
+            sequence that needs a page when none is free preempts the newest (resumed later: its
+            prompt and the tokens it wrote prefilled at once), so concurrency is bounded by the
+            tokens in use.
         kv_page_size: Token positions per page of the paged pool.
         kv_cache_tokens: Token positions the paged pool holds (each: both models' K/V). Default
             (neither this nor ``kv_cache_gib``): what the slots layout would hold, ``max_batch`` x
             (widest prompt + ``max_new_tokens``), so nothing is ever preempted.
         kv_cache_gib: The paged pool's size in GiB instead (both models' K/V; not Qwen3.5's per-row
             linear-attention states).
+        prefill_tokens: Padded positions one prefill call holds at most (rows x the longest):
+            an admission of more runs as several prefills (resumed sequences prefill their
+            responses too, thousands of positions each).
     """
 
     queues_rows = True
@@ -195,12 +201,14 @@ class FastEngine(RolloutEngine):
         kv_cache_tokens: int | None = None,
         kv_cache_gib: float | None = None,
         refill: Literal["amortized", "eager"] = "amortized",
+        prefill_tokens: int = 16384,
     ):
         if refill not in ("amortized", "eager"):
             raise ConfigError(f"refill must be 'amortized' or 'eager', got {refill!r}")
         self.refill = refill
-        if kv_block < 1 or check_every < 1:
-            raise ConfigError("kv_block and check_every must be >= 1")
+        if kv_block < 1 or check_every < 1 or prefill_tokens < 1:
+            raise ConfigError("kv_block, check_every and prefill_tokens must be >= 1")
+        self.prefill_tokens = prefill_tokens
         check_kv_cache(kv_cache, kv_page_size, kv_cache_tokens, kv_cache_gib)
         self.kv_cache, self.kv_page_size = kv_cache, kv_page_size
         self.kv_cache_tokens, self.kv_cache_gib = kv_cache_tokens, kv_cache_gib
@@ -485,32 +493,63 @@ class FastEngine(RolloutEngine):
         emptied: their sequences wait at the front of the queue), then write the changed table rows."""
         preempted = run.table.reserve(steps)
         device = self._batch.slot.device
-        if preempted:
-            run.decoder.state.finished[torch.tensor(preempted, device=device)] = True
+        if preempted:  # each keeps what it wrote: readmitted, it prefills those tokens and goes on
+            slots = torch.tensor([slot for slot, _ in preempted], device=device)
+            saved = run.decoder.save(slots)
+            for i, written in enumerate(run.decoder.t[slots].tolist()):
+                slot, sequence = preempted[i]
+                run.paused[sequence] = ([x[i] for x in saved], run.decoder.tokens[slot, :written].clone())
+                run.table.resume_later(sequence, written)
+            run.decoder.state.finished[slots] = True
         write_table_rows(self._batch.table, run.table.page_rows())
         pages = run.table.pages
         run.peak_pages = max(run.peak_pages, pages.usable - len(pages.free))
 
     def _admit(self, run: _Run, prompts: PromptBatch, budgets: Tensor, active: list[str]) -> None:
-        """Refill free slots from the queue: one prefill of both models over the admitted prompts
-        (left-padded among themselves), their caches copied into the freed rows."""
+        """Refill free slots from the queue: prefills of both models over the admitted prompts
+        (left-padded among themselves, at most ``prefill_tokens`` padded positions a prefill),
+        their caches copied into the freed rows."""
         slots, sequences = run.table.admit()
         if not slots:
             return
         run.timer.refilled()
-        buf, device = self._batch, self._batch.slot.device
         run.prefills.append(self._event())
+        starts = [run.table.start_tokens(s) if isinstance(run.table, PagedSlotTable) else 0 for s in sequences]
+        for part in prefill_parts(starts, self.prefill_tokens):
+            self._prefill(run, prompts, budgets, active, [slots[i] for i in part], [sequences[i] for i in part])
+        run.prefills.append(self._event())
+        if run.steps:
+            run.refills += 1
+            run.refilled += len(slots)
+
+    def _prefill(self, run: _Run, prompts: PromptBatch, budgets: Tensor, active: list[str], slots: list[int],
+                 sequences: list[int]) -> None:
+        """Start ``sequences`` in ``slots``: new ones from their prompts, preempted ones from their
+        prompts and the tokens they wrote (their decoder rows restored: they go on where they stopped)."""
+        buf, device = self._batch, self._batch.slot.device
         group = prompts.select(sequences)
         rows = torch.tensor(slots, device=device)
         inputs = model_prompts(group)
-        run.decoder.admit(rows, group.seeds, budgets[torch.tensor(sequences, device=device)])
+        paused = [run.paused.pop(s, None) for s in sequences]
+        new = [i for i, saved in enumerate(paused) if saved is None]
+        if new:
+            index = torch.tensor(new, device=device)
+            run.decoder.admit(rows[index], group.seeds[index.to(group.seeds.device)],
+                              budgets[torch.tensor([sequences[i] for i in new], device=device)])
+        if len(new) < len(sequences):
+            back = [i for i, saved in enumerate(paused) if saved is not None]
+            run.decoder.restore(rows[torch.tensor(back, device=device)],
+                                [torch.stack(parts) for parts in zip(*(paused[i][0] for i in back))])
+            responses = [saved[1] if saved is not None else None for saved in paused]
+            inputs = {name: with_responses(ids, mask, responses) for name, (ids, mask) in inputs.items()}
+            run.resumed_tokens += sum(paused[i][1].numel() for i in back)
         width = inputs["senior"][0].shape[1]
         if buf.table is None:
             buf.slot[rows] = width - 1
             placement = None
             bounds = [width - 1] * len(slots)
         else:  # paged: each row's positions start at its own prompt (its last `own` columns)
-            own = [run.table.prompt_tokens[s] for s in sequences]
+            own = [run.table.start_tokens(s) for s in sequences]
             buf.slot[rows] = torch.tensor(own, device=device) - 1
             held = [run.table.pages.held[s] for s in sequences]
             placement = tuple(x.to(device) for x in prompt_placement(held, own, width, self.kv_page_size))
@@ -522,10 +561,6 @@ class FastEngine(RolloutEngine):
             buf.logits[name][rows] = self.models[name].prefill(ids, mask, rows, placement).float()
         for slot, bound in zip(slots, bounds):
             run.table.bound[slot] = bound
-        run.prefills.append(self._event())
-        if run.steps:
-            run.refills += 1
-            run.refilled += len(slots)
 
     def _time_chunk(self, run: _Run, steps: int, synced: float) -> float:
         """After a chunk's host sync: hand the refill timer the chunk's step time (its wall time
@@ -560,7 +595,8 @@ class FastEngine(RolloutEngine):
         seconds and steps, the decode step time; ``busy_slot_fraction``: tokens written over the
         rows the steps paid for (live row-steps / decoded row-steps); refills (admissions after
         decoding started) and compactions; ``prompt_width``: the widest padded prompt. With
-        ``kv_cache: paged`` also ``preemptions``, ``kv_pool_tokens`` (positions the pool holds) and
+        ``kv_cache: paged`` also ``preemptions``, ``resumed_tokens`` (response tokens preempted
+        sequences prefilled again to go on), ``kv_pool_tokens`` (positions the pool holds) and
         ``kv_pool_peak_fraction`` (the most of it held at once)."""
         run = self._last_run
         if run is None:
@@ -581,7 +617,8 @@ class FastEngine(RolloutEngine):
         if not isinstance(run.table, PagedSlotTable):
             return {}
         pages = run.table.pages
-        return {"preemptions": run.table.preemptions, "kv_pool_tokens": pages.usable * pages.page_size,
+        return {"preemptions": run.table.preemptions, "resumed_tokens": run.resumed_tokens,
+                "kv_pool_tokens": pages.usable * pages.page_size,
                 "kv_pool_peak_fraction": run.peak_pages / pages.usable}
 
     def _kv_len(self, needed: int) -> int:
@@ -602,6 +639,40 @@ def _mark(cuda: bool):
 def _seconds(start, end) -> float:
     """Between two ``_mark``s: CUDA events (recorded, and done) or host clocks."""
     return start.elapsed_time(end) / 1000 if isinstance(start, torch.cuda.Event) else end - start
+
+
+def prefill_parts(starts: list[int], budget: int) -> list[list[int]]:
+    """Admitted sequences (positions each starts with; 0: unknown, a prompt) in runs of at most
+    ``budget`` padded positions (a run's rows x its longest), in admission order, each at least
+    one sequence: a prefill of many resumed sequences would otherwise hold all their activations
+    and keys at once."""
+    parts: list[list[int]] = []
+    longest = 0
+    for i, tokens in enumerate(starts):
+        if parts and (len(parts[-1]) + 1) * max(longest, tokens) <= budget:
+            parts[-1].append(i)
+            longest = max(longest, tokens)
+        else:
+            parts.append([i])
+            longest = tokens
+    return parts
+
+
+def with_responses(ids: Tensor, mask: Tensor, responses: list[Tensor | None]) -> tuple[Tensor, Tensor]:
+    """Left-padded prompts [n, W] with each row's response tokens (None: none) appended after its
+    prompt, left-padded again to one width: what a resumed sequence prefills."""
+    lengths = [0 if r is None else r.numel() for r in responses]
+    extra = max(lengths)
+    out_ids = torch.zeros((ids.shape[0], ids.shape[1] + extra), dtype=ids.dtype, device=ids.device)
+    out_mask = torch.zeros_like(out_ids, dtype=mask.dtype)
+    for i, (response, n) in enumerate(zip(responses, lengths)):
+        lead = extra - n
+        out_ids[i, lead : lead + ids.shape[1]] = ids[i]
+        out_mask[i, lead : lead + ids.shape[1]] = mask[i]
+        if n:
+            out_ids[i, lead + ids.shape[1]:] = response.to(ids.device)
+            out_mask[i, lead + ids.shape[1]:] = 1
+    return out_ids, out_mask
 
 
 def _valid_rows(mask: Tensor, last: Tensor, width: int, buf: _Batch) -> Tensor:  # [n, width], [n] -> [n, length] bool
@@ -627,5 +698,8 @@ class _Run:
         self.steps = self.slot_steps = self.live_steps = 0
         self.refills = self.compactions = 0
         self.refilled = 0  # sequences admitted by refills
+        # preempted sequence -> (its saved decoder rows, ``per_row`` order; the tokens it wrote)
+        self.paused: dict[int, tuple[list[Tensor], Tensor]] = {}
+        self.resumed_tokens = 0  # response tokens prefilled again when preempted sequences resumed
         self.width = 0
         self.peak_pages = 0  # paged pool: the most pages held at once

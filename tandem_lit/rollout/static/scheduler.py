@@ -144,11 +144,12 @@ class RefillTimer:
 class PagedSlotTable(SlotTable):
     """A ``SlotTable`` whose sequences also hold pages of a paged KV pool (``paging.BlockManager``).
 
-    A queued sequence is admitted only when its prompt's pages are free (above the watermark);
-    before each chunk of ``steps`` decode steps, ``reserve`` gives every live sequence the pages
-    its next positions need, oldest first, preempting the newest sequences when none are free
-    (their pages freed, back to the front of the queue, to be recomputed from their prompts:
-    sampling is keyed by seed and position, so they reproduce themselves). ``changed`` holds
+    A queued sequence is admitted only when the pages of the positions it starts with are free
+    (above the watermark); before each chunk of ``steps`` decode steps, ``reserve`` gives every
+    live sequence the pages its next positions need, oldest first, preempting the newest sequences
+    when none are free (their pages freed, back to the front of the queue). A preempted sequence
+    keeps the tokens it wrote (``resume_later``): readmitted, it starts from its prompt and those
+    tokens, prefilled at once (vLLM's recompute preemption), not decoded again. ``changed`` holds
     the slots whose table row the engine must rewrite before the next step.
     """
 
@@ -156,6 +157,7 @@ class PagedSlotTable(SlotTable):
                  pages: BlockManager):
         super().__init__(order, capacity, budgets)
         self.prompt_tokens = prompt_tokens  # per sequence id: positions its prompt takes
+        self.written = [0] * len(prompt_tokens)  # per sequence id: tokens it wrote before it was preempted
         self.pages = pages
         self.admitted = [0] * capacity  # admission count of each slot's sequence: the newest is preempted first
         self.admissions = 0
@@ -170,11 +172,11 @@ class PagedSlotTable(SlotTable):
             if self.held[slot] >= 0:
                 continue
             sequence = self.queue[0]
-            if not self.pages.can_admit(self.prompt_tokens[sequence], alone=not self.live):
+            if not self.pages.can_admit(self.start_tokens(sequence), alone=not self.live):
                 break  # first come, first served: nobody overtakes the head of the queue
             self.queue.popleft()
-            self.pages.allocate(sequence, self.prompt_tokens[sequence])
-            self.held[slot], self.left[slot] = sequence, self.budgets[sequence]
+            self.pages.allocate(sequence, self.start_tokens(sequence))
+            self.held[slot], self.left[slot] = sequence, self.budgets[sequence] - self.written[sequence]
             self.admissions += 1
             self.admitted[slot] = self.admissions
             self.changed.add(slot)
@@ -189,18 +191,27 @@ class PagedSlotTable(SlotTable):
             self.changed.add(slot)
         return slots, sequences
 
-    def reserve(self, steps: int) -> list[int]:
+    def start_tokens(self, sequence: int) -> int:
+        """Positions a sequence holds when it is admitted: its prompt, and the tokens it wrote
+        before a preemption."""
+        return self.prompt_tokens[sequence] + self.written[sequence]
+
+    def resume_later(self, sequence: int, written: int) -> None:
+        """A preempted sequence had written ``written`` tokens: it is readmitted with them."""
+        self.written[sequence] = written
+
+    def reserve(self, steps: int) -> list[tuple[int, int]]:
         """Pages for the next ``steps`` positions of every live sequence (up to its budget); the
-        slots whose sequence was preempted to make room (now empty, their sequences queued)."""
-        preempted: list[int] = []
+        (slot, sequence) pairs preempted to make room (the slots now empty, the sequences queued)."""
+        preempted: list[tuple[int, int]] = []
         for slot in sorted(self.live, key=lambda s: self.admitted[s]):
             if self.held[slot] < 0:
                 continue  # preempted by an older sequence of this pass
             tokens = self.bound[slot] + min(steps, self.left[slot]) + 1
             while (added := self.pages.grow(self.held[slot], tokens)) is None:
                 victim = max(self.live, key=lambda s: self.admitted[s])
+                preempted.append((victim, self.held[victim]))
                 self._preempt(victim)
-                preempted.append(victim)
                 if victim == slot:
                     break
             if added:
