@@ -315,8 +315,10 @@ class FastEngine(RolloutEngine):
         junior = buf.logits["junior"][:batch] if decoder.needs_junior else None
         token = decoder.step(senior, junior)
         slot = buf.slot[:batch]
-        # rows that stopped keep stepping until the host retires them: clamped, they stay in the cache
-        slot.add_(1).clamp_(max=buf.length - 1)
+        # rows that stopped (or hold no sequence) keep stepping until the host retires or refills
+        # them, at a slot that stays put: the attention kernel reads a row's slots below its own,
+        # so an emptied row (slot 0) reads nothing, and a row that just ended rewrites its last slot
+        slot.add_((~decoder.state.finished).long()).clamp_(max=buf.length - 1)
         for name, logits in (("senior", senior), ("junior", junior)):
             if logits is not None:
                 buf.position[name][:batch].add_(1).clamp_(max=buf.length - 1)
@@ -456,6 +458,7 @@ class FastEngine(RolloutEngine):
                     index, where = (torch.tensor(x, device=device) for x in (slots, sequences))
                     for name, values in results.items():
                         values.index_copy_(0, where, out[name][index])
+                    buf.slot[index] = 0  # empty until refilled: its attention reads nothing
                 if run.table.queue:
                     live = len(run.table.live)
                     if run.timer.due(run.table.batch - live, len(run.table.queue), live):
@@ -501,6 +504,7 @@ class FastEngine(RolloutEngine):
                 run.paused[sequence] = ([x[i] for x in saved], run.decoder.tokens[slot, :written].clone())
                 run.table.resume_later(sequence, written)
             run.decoder.state.finished[slots] = True
+            self._batch.slot[slots] = 0  # empty until refilled: its attention reads nothing
         write_table_rows(self._batch.table, run.table.page_rows())
         pages = run.table.pages
         run.peak_pages = max(run.peak_pages, pages.usable - len(pages.free))
