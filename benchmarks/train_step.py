@@ -309,7 +309,7 @@ class UpdateProfiler:
             wait = torch.cuda.synchronize if cuda else (lambda: None)
             wait()
             started = time.perf_counter()
-            with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+            with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])], record_shapes=True) as prof:
                 out = run(result, optimizer, device, world, step)
                 wait()
             self.write(prof, time.perf_counter() - started)
@@ -325,6 +325,10 @@ class UpdateProfiler:
             f.write(events.table(sort_by="self_device_time_total", row_limit=self.rows, max_name_column_width=70))
             f.write("\n\n")
             f.write(events.table(sort_by="self_cpu_time_total", row_limit=self.rows, max_name_column_width=70))
+            f.write("\n\nby input shapes (which matmul is which):\n")
+            f.write(prof.key_averages(group_by_input_shape=True).table(
+                sort_by="self_device_time_total" if kernels else "self_cpu_time_total", row_limit=self.rows,
+                max_name_column_width=40, max_shapes_column_width=80))
         say(f"update profile written to {self.path}: GPU busy {kernels / wall:.1%} of {wall:.1f} s")
 
 

@@ -121,7 +121,7 @@ def test_rlvr_configs_hold_the_paper_numbers(config, capsys):
         # decoding at once from a paged pool, update passes filled to the token bound
         engine = resolved["model"]["init_args"]["engine"]
         assert engine["class_path"].endswith("FastEngine")
-        assert {"kv_cache": "paged", "kv_cache_tokens": 233016}.items() <= engine["init_args"].items()
+        assert {"kv_cache": "paged", "kv_cache_tokens": 320320}.items() <= engine["init_args"].items()
         assert model["rollout_batch_size"] == data["batch_size"] * model["sampling"]["n"] == 128
         assert {"fill_passes": True, "micro_batch_tokens": 4096}.items() <= model["memory"].items()
         assert model["prompt_format"]["enable_thinking"] is None  # the 2507 Instruct has no thinking mode
