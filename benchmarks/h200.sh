@@ -55,6 +55,11 @@ for name in "$@"; do
     # issue 27: the GRPO arm at lognormal lengths, its update profiled in one more step (~5 min)
     grpo-profile) stage "$name" 590 python3 benchmarks/train_step.py --config configs/rlvr/qwen3_4b_tandem.yaml "${DATA[@]}" \
       --arms grpo --lengths "$LOGNORMAL" --warmup-steps 2 --profile-update "$OUT/update_profile_grpo" --json "$OUT/$name.json";;
+    # issue 27: the GRPO arm at fixed lengths (the update's target), its update profiled in one more step (~5 min)
+    grpo-fixed-profile) stage "$name" 590 python3 benchmarks/train_step.py --config configs/rlvr/qwen3_4b_tandem.yaml "${DATA[@]}" \
+      --arms grpo --warmup-steps 1 --profile-update "$OUT/update_profile_grpo_fixed" --json "$OUT/$name.json";;
+    # issue 27: Liger's kernels and fused head against PyTorch's on the GPU (~1 min)
+    liger-tests) stage "$name" 200 python3 -m pytest -q -p no:cacheprovider tests/test_liger_gpu.py tests/test_liger.py;;
     # issue 24: FastEngine's GPU tests (CUDA graphs, Triton kernels, paged pool with preemption and resumption) (~2 min)
     gpu-tests) stage "$name" 300 python3 -m pytest -q -p no:cacheprovider tests/test_continuous_batching.py tests/test_fast_engine.py \
       tests/test_hybrid_engine.py -k "cuda or gpu or triton or graph or stream";;

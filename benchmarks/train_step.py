@@ -325,11 +325,54 @@ class UpdateProfiler:
             f.write(events.table(sort_by="self_device_time_total", row_limit=self.rows, max_name_column_width=70))
             f.write("\n\n")
             f.write(events.table(sort_by="self_cpu_time_total", row_limit=self.rows, max_name_column_width=70))
+            f.write("\n\n" + idle_gaps(prof.events()))
             f.write("\n\nby input shapes (which matmul is which):\n")
             f.write(prof.key_averages(group_by_input_shape=True).table(
                 sort_by="self_device_time_total" if kernels else "self_cpu_time_total", row_limit=self.rows,
                 max_name_column_width=40, max_shapes_column_width=80))
         say(f"update profile written to {self.path}: GPU busy {kernels / wall:.1%} of {wall:.1f} s")
+
+
+def idle_gaps(events, rows: int = 25) -> str:
+    """Where the GPU waited: the gaps between the kernels of a profile, by size (many short ones:
+    launch-bound host code; few long ones: host work or a sync), and each gap charged to the
+    innermost host op running at its start (the op the GPU was waiting for)."""
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type.name == "CUDA")
+    host = sorted((e.time_range.start, e.time_range.end, e.name) for e in events if e.device_type.name == "CPU")
+    if not kernels:
+        return "no CUDA kernels\n"
+    gaps, reach = [], kernels[0][1]
+    for start, end in kernels[1:]:
+        if start > reach:
+            gaps.append((reach, start - reach))
+        reach = max(reach, end)
+    buckets = {"< 0.1 ms": 0.0, "0.1-1 ms": 0.0, "1-10 ms": 0.0, ">= 10 ms": 0.0}
+    counts = dict.fromkeys(buckets, 0)
+    charged: dict[str, list[float]] = {}
+    starts = [h[0] for h in host]
+    import bisect
+
+    for at, length in gaps:
+        bucket = ("< 0.1 ms" if length < 100 else "0.1-1 ms" if length < 1000 else "1-10 ms" if length < 10000 else ">= 10 ms")
+        buckets[bucket] += length / 1e6
+        counts[bucket] += 1
+        if length < 100:
+            continue
+        # the innermost host op open at the gap's start: the latest-starting one that has not ended
+        name = "(no host op)"
+        for k in range(bisect.bisect_right(starts, at) - 1, max(-1, bisect.bisect_right(starts, at) - 400), -1):
+            if host[k][1] >= at:
+                name = host[k][2]
+                break
+        entry = charged.setdefault(name, [0.0, 0])
+        entry[0] += length / 1e6
+        entry[1] += 1
+    lines = [f"GPU idle between kernels: {sum(buckets.values()):.2f} s in {len(gaps)} gaps"]
+    lines += [f"  {name:>9}: {seconds:7.2f} s in {counts[name]} gaps" for name, seconds in buckets.items()]
+    lines.append("gaps >= 0.1 ms by the host op open at their start:")
+    for name, (seconds, count) in sorted(charged.items(), key=lambda kv: -kv[1][0])[:rows]:
+        lines.append(f"  {seconds:8.3f} s  {count:6d}x  {name[:90]}")
+    return "\n".join(lines) + "\n"
 
 
 class StepReport(L.Callback):

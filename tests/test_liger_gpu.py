@@ -1,7 +1,9 @@
 """Liger-Kernel's compiled kernels on a GPU against the PyTorch path (``memory.fused_kernels``).
 
 Skipped without CUDA and liger-kernel. The log-probs of a Qwen3-architecture model with the real
-vocabulary (151,936 rows: several head chunks) over ragged rows, padded and packed:
+vocabulary (151,936 rows: several head chunks) over ragged rows, padded and packed, normalised over
+all the head's rows and over the tokenizer's 151,669 (the engine's sampled vocabulary, which the
+fused head masks rather than slices):
 - float32 (no autocast): equal to float32 rounding;
 - bf16-mixed over float32 weights (Lightning's autocast, no cast cache): within bf16 tolerance,
   measured as no further from the float32 log-probs than the PyTorch bf16 path is, and gradients
@@ -39,6 +41,7 @@ pytestmark = [
 ]
 
 VOCAB = 151_936
+SAMPLED_VOCAB = 151_669  # Qwen3's tokenizer: the engine samples from these; the head's other rows are padding
 TEMPERATURE = 0.6
 
 
@@ -55,28 +58,36 @@ def qwen3(seed: int = 0):
     return model.train()
 
 
-def logprobs_and_grad(model, rollout, packed: bool, fused: bool, autocast: bool):
+def logprobs_and_grad(model, rollout, packed: bool, fused: bool, autocast: bool, vocab: int | None = None):
     """Completion log-probs and the flattened gradient of a weighted sum of them."""
     written = rollout.completion_mask
     weights = torch.linspace(-1, 1, written.numel(), device="cuda").view_as(written) * written
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast, cache_enabled=False):
-        logp = completion_logprobs(model, rollout, TEMPERATURE, packed=packed, fused=fused)
+        logp = completion_logprobs(model, rollout, TEMPERATURE, packed=packed, fused=fused, vocab=vocab)
         grads = torch.autograd.grad((logp * weights).sum(), list(model.parameters()))
     return logp.detach()[written], torch.cat([g.flatten() for g in grads])
 
 
+@pytest.mark.parametrize("vocab", [None, SAMPLED_VOCAB], ids=["all-rows", "sampled-rows"])
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
-def test_liger_equals_pytorch_in_float32_and_within_bf16_tolerance(packed):
-    plain, rollout = qwen3(), ragged_rollout(VOCAB, (17, 40, 5, 63), (700, 33, 1500, 250), seed=1).to("cuda")
+def test_liger_equals_pytorch_in_float32_and_within_bf16_tolerance(packed, vocab):
+    plain, rollout = qwen3(), ragged_rollout(vocab or VOCAB, (17, 40, 5, 63), (700, 33, 1500, 250), seed=1).to("cuda")
     fused = copy.deepcopy(plain)
     liger.apply_liger(fused, liger.ARCHITECTURES["qwen3"].kernels)
-    truth, truth_grad = logprobs_and_grad(plain, rollout, packed, fused=False, autocast=False)
-    logp, grad = logprobs_and_grad(fused, rollout, packed, fused=True, autocast=False)
+    truth, truth_grad = logprobs_and_grad(plain, rollout, packed, fused=False, autocast=False, vocab=vocab)
+    logp, grad = logprobs_and_grad(fused, rollout, packed, fused=True, autocast=False, vocab=vocab)
     torch.testing.assert_close(logp, truth, rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(grad, truth_grad, rtol=1e-3, atol=1e-5)
+    # the gradient as a whole: the two paths sum in different orders (Liger's head chunks, its
+    # RMSNorm weight-gradient blocks), so an element that is a near-cancelling sum (a tied
+    # embedding row) can differ by float32 rounding of its terms, not of itself; a wrong kernel
+    # is off by orders of magnitude more than 1e-5 of the gradient's norm
+    error = float((grad - truth_grad).norm() / truth_grad.norm())
+    print(f"float32 gradient: relative error {error:.2e}, max |difference| {(grad - truth_grad).abs().max():.2e} "
+          f"of max |gradient| {truth_grad.abs().max():.2e}")
+    assert error <= 1e-5
 
-    bf16, bf16_grad = logprobs_and_grad(plain, rollout, packed, fused=False, autocast=True)
-    liger_bf16, liger_grad = logprobs_and_grad(fused, rollout, packed, fused=True, autocast=True)
+    bf16, bf16_grad = logprobs_and_grad(plain, rollout, packed, fused=False, autocast=True, vocab=vocab)
+    liger_bf16, liger_grad = logprobs_and_grad(fused, rollout, packed, fused=True, autocast=True, vocab=vocab)
     plain_error, liger_error = (bf16 - truth).abs(), (liger_bf16 - truth).abs()
     print(f"|bf16 - fp32| mean {plain_error.mean():.2e} max {plain_error.max():.2e}; "
           f"liger {liger_error.mean():.2e} max {liger_error.max():.2e}; |liger - bf16| max {(liger_bf16 - bf16).abs().max():.2e}")

@@ -236,7 +236,7 @@ def completion_logprobs(
         hidden = completion_hidden_states(model, rollout)
     width = completion.shape[1]
     if fused:
-        logp = liger_logprobs(hidden, head.weight[:kept], completion, temperature, CHUNK_ELEMENTS)
+        logp = liger_logprobs(hidden, head.weight, completion, temperature, CHUNK_ELEMENTS, vocab=kept)
         return logp.new_zeros(written.shape).masked_scatter(written, logp[0]) if packed else logp
 
     def chunk_logprobs(h: Tensor, targets: Tensor) -> Tensor:
