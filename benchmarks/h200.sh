@@ -58,6 +58,12 @@ for name in "$@"; do
     # issue 27: the GRPO arm at fixed lengths (the update's target), its update profiled in one more step (~5 min)
     grpo-fixed-profile) stage "$name" 590 python3 benchmarks/train_step.py --config configs/rlvr/qwen3_4b_tandem.yaml "${DATA[@]}" \
       --arms grpo --warmup-steps 1 --profile-update "$OUT/update_profile_grpo_fixed" --json "$OUT/$name.json";;
+    # issue 27: one update pass with the linear weights cast once per update against autocast's cast per forward (~2 min)
+    cast-once) stage "$name" 300 python3 benchmarks/update_kernels.py --variants off off+once liger liger+once \
+      --profile-rows 14 --json "$OUT/$name.json";;
+    # issue 27: the update's GPU tests: cast once, no per-pass syncs, Liger against PyTorch, the tiny GPU steps (~3 min)
+    update-tests) stage "$name" 400 python3 -m pytest -q -p no:cacheprovider tests/test_compute_weights.py \
+      tests/test_gpu_training.py tests/test_liger_gpu.py;;
     # issue 27: Liger's kernels and fused head against PyTorch's on the GPU (~1 min)
     liger-tests) stage "$name" 200 python3 -m pytest -q -p no:cacheprovider tests/test_liger_gpu.py tests/test_liger.py;;
     # issue 24: FastEngine's GPU tests (CUDA graphs, Triton kernels, paged pool with preemption and resumption) (~2 min)

@@ -14,7 +14,10 @@ mini-batch. Random weights (the FLOPs and the kernels do not depend on them).
 
 Variants, each in the same run on the same model: PyTorch (``off``), each Liger kernel alone
 (``rms_norm``, ``swiglu``, ``rope``, ``logprobs``: the fused head), and all that fit the
-architecture (``liger``). Per variant: ms per trained pass and per forward-only pass (the old
+architecture (``liger``); a variant with ``+once`` (``liger+once``) runs its passes with the linear
+weights cast to bf16 once (``memory.cast_weights_once``: ``training.compute_weights``, its cast made
+once for all the variant's passes, as an update makes it once for its ~64) instead of by autocast
+in every forward. Per variant: ms per trained pass and per forward-only pass (the old
 log-probs of the second PPO mini-batch), the trained pass's model FLOPs as MFU (``train_step.py``'s
 count), peak memory, the log-prob difference from ``off`` (mean / max over tokens), and the
 config's update estimated from them: 128 trained + 64 forward-only passes (16 prompts x 8
@@ -41,6 +44,7 @@ from train_step import flop_shape, update_flops  # noqa: E402
 from tandem_lit.models import liger  # noqa: E402
 from tandem_lit.rollout.logprobs import completion_logprobs  # noqa: E402
 from tandem_lit.rollout.record import Author, Rollout  # noqa: E402
+from tandem_lit.training.compute_weights import ComputeWeights  # noqa: E402
 
 MODELS = {"qwen3-4b": (build_qwen3, QWEN3_4B, 151936), "qwen35-9b": (build_qwen35, QWEN35_9B, 248320)}
 TRAINED, FORWARD_ONLY = 128, 64  # passes of one step of the paper config
@@ -149,9 +153,11 @@ def main() -> None:
 
     results, reference, profiles = {}, None, {}
     for variant in variants:
-        kernels = kinds if variant == "liger" else () if variant == "off" else (variant,)
+        base, once = variant.removesuffix("+once"), variant.endswith("+once")
+        kernels = kinds if base == "liger" else () if base == "off" else (base,)
         liger.apply_liger(model, kernels)
         fused = "logprobs" in kernels
+        cast_once = ComputeWeights(model, torch.bfloat16 if once and step.autocast else None).__enter__()
         step.trained(fused)  # warm-up: Triton compilation, cuBLAS plans, the gradient buffers
         step.trained(fused)
         if args.device == "cuda":
@@ -173,10 +179,12 @@ def main() -> None:
         }
         print(f"{variant:>9}: trained pass {row['trained_ms']:8.1f} ms ({row['trained_ms_per_1k_tokens']:.1f} ms per 1k tokens, {row['mfu']:.1%} MFU of {args.peak_tflops:g} TFLOP/s), "
               f"forward-only {row['forward_ms']:7.1f} ms, peak {peak:6.1f} GiB; config update ~{row['update_s']:6.1f} s "
-              f"({TRAINED} + {FORWARD_ONLY} passes); |logp - off| mean {row['logp_gap_mean']:.2e} max {row['logp_gap_max']:.2e}",
+              f"({TRAINED} + {FORWARD_ONLY} passes); |logp - {variants[0]}| mean {row['logp_gap_mean']:.2e} max {row['logp_gap_max']:.2e}",
               flush=True)
-        if args.device == "cuda" and args.profile_rows and variant in ("off", "liger"):
+        if args.device == "cuda" and args.profile_rows and variant in ("off", "liger", "liger+once"):
             profiles[variant] = profile_rows(lambda fused=fused: step.trained(fused), args.device, args.profile_rows)
+        cast_once.__exit__(None, None, None)
+        model.zero_grad(set_to_none=True)
         liger.remove_liger(model)
     for variant, lines in profiles.items():
         print(f"\n== CUDA kernels of one trained pass, {variant}:")
@@ -188,8 +196,12 @@ def main() -> None:
         passes = results["liger"]["trained_ms"] / results["off"]["trained_ms"]
         print(f"liger_over_off_update={fused / off:.3f} liger_over_off_trained_pass={passes:.3f} "
               f"off_update_s={off:.1f} liger_update_s={fused:.1f}")
-    else:
-        print(f"off_update_s={results[variants[0]]['update_s']:.1f}")
+    elif "off" in results:
+        print(f"off_update_s={results['off']['update_s']:.1f}")
+    for base in ("off", "liger"):
+        if base in results and f"{base}+once" in results:
+            ratio = results[f"{base}+once"]["update_s"] / results[base]["update_s"]
+            print(f"{base}_cast_once_over_per_forward_update={ratio:.3f} {base}+once_update_s={results[f'{base}+once']['update_s']:.1f}")
 
 
 if __name__ == "__main__":

@@ -6,8 +6,10 @@ machine without the CLI's extras.
 
 from __future__ import annotations
 
+import collections
 import copy
 import math
+import warnings
 
 import lightning as L
 import pytest
@@ -132,3 +134,43 @@ def test_fsdp2_on_one_gpu_shards_the_senior_and_decodes_a_bf16_copy_of_the_gathe
     copy_weights = dict(engine.senior.named_parameters())
     for name, param in module.senior.named_parameters():
         assert torch.equal(copy_weights[name], param.full_tensor().to(torch.bfloat16)), name
+
+
+def update_syncs(tmp_path, micro_batch_size: int) -> collections.Counter:
+    """Host waits on the GPU (CUDA's sync debug mode) inside one step's update of 16 rows, by
+    the Python line that waited."""
+    module = TandemModule(**grouped_settings(
+        senior=ModelSource("configs/tiny/senior", random_init=True, init_seed=1, dtype="float32"),
+        junior=ModelSource("configs/tiny/junior", random_init=True, init_seed=2, dtype="float32"),
+        verifier=HasSpaceVerifier(), objective=GRPO(), handoff=WordHandoff(0.5), engine=FastEngine(),
+        sampling=SamplingConfig(temperature=1.0, n=4, max_new_tokens=32), micro_batch_size=micro_batch_size,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3), eval_modes=["senior"], evaluate_at_start=False,
+        completions_every_n_steps=0, memory=MemorySettings(fused_kernels="off"),  # Liger's head reads a count back
+    ))
+    run, counted = module.updates.run, []
+
+    def counting(*args, **kwargs):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                return run(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                counted.append(collections.Counter(f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)))
+
+    module.updates.run = counting
+    L.Trainer(accelerator="gpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+              enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, precision="bf16-mixed",
+              default_root_dir=str(tmp_path / str(micro_batch_size))).fit(module, datamodule=Rows(batch_size=4))
+    assert len(counted) == 1
+    return counted[0]
+
+
+def test_an_updates_passes_queue_on_the_gpu_without_waiting_for_it(tmp_path):
+    """The host reads back from the GPU per update (lengths, normalisers, the gradient norm, the
+    metrics), never per pass: 16 passes wait as often as 4 do, so the host launches a pass's
+    kernels while the GPU still runs the previous ones."""
+    update_syncs(tmp_path / "warm-up", micro_batch_size=4)  # what waits once per process (CUDA's lazy set-ups)
+    few, many = update_syncs(tmp_path, micro_batch_size=4), update_syncs(tmp_path, micro_batch_size=1)
+    assert 0 < many.total() == few.total(), (few - many, many - few)  # the lines that waited more often

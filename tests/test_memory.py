@@ -273,14 +273,14 @@ def test_memory_settings_do_not_change_the_update(tmp_path, memory):
 
 def test_filled_passes_give_the_update_of_one_row_a_pass(tmp_path, monkeypatch):
     sizes = []
-    split = UpdatePhase.micro_batches
+    split = UpdatePhase.passes
 
-    def recorded(self, rollout, rows, world=1):
-        batches = split(self, rollout, rows, world)
+    def recorded(self, host, rows, world=1):
+        batches = split(self, host, rows, world)
         sizes.extend(len(b) for b in batches)
         return batches
 
-    monkeypatch.setattr(UpdatePhase, "micro_batches", recorded)
+    monkeypatch.setattr(UpdatePhase, "passes", recorded)
     reference = one_step_update(tmp_path / "reference", micro_batch_size=1)
     assert set(sizes) == {1}
     sizes.clear()
@@ -336,3 +336,4 @@ def test_forward_only_passes_match_the_busiest_rank(monkeypatch):
     balanced = module.updates.logprobs_by_rows(rollout, torch.device("cpu"), counted, world=2)
     assert sorted(passes) == [1, 1, 2]
     torch.testing.assert_close(balanced, alone)
+

@@ -150,9 +150,9 @@ def test_the_first_mini_batch_takes_its_old_logprobs_from_its_own_forward(monkey
     seen: list[int] = []
     original = UpdatePhase.behaviour_logprobs
 
-    def counting(self, rollout, device, rows=None, world=1):
-        seen.extend((rows if rows is not None else torch.arange(len(PROMPTS))).tolist())
-        return original(self, rollout, device, rows, world)
+    def counting(self, rollout, device, rows=None, world=1, host=None):
+        seen.extend(rows if rows is not None else range(len(PROMPTS)))
+        return original(self, rollout, device, rows, world, host)
 
     monkeypatch.setattr(UpdatePhase, "behaviour_logprobs", counting)
     totals, grads = run_update(copy.deepcopy(llama), rollout, MemorySettings(), mini_batch_size=2)

@@ -73,9 +73,9 @@ class SpyGRPO(GRPO):
         self.advantage_rewards.append(rewards.detach().clone())
         return super().advantages(rewards, group)
 
-    def __call__(self, inputs, scale=None):
+    def loss_and_metrics(self, inputs, scale=None):
         self.calls.append(inputs)
-        return super().__call__(inputs, scale)
+        return super().loss_and_metrics(inputs, scale)
 
 
 class RowsDataModule(PromptDataModule):
@@ -547,3 +547,48 @@ def test_logp_gap_limit_must_be_positive():
     with pytest.raises(ConfigError, match="logp_gap_limit must be > 0"):
         UpdateSettings(logp_gap_limit=0.0)
     assert UpdateSettings(logp_gap_limit=None).logp_gap_limit is None
+
+
+# ------------------------------------------------------------------------------ host reads
+
+
+class CountingReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts what would make the host wait for a CUDA device: scalar reads (``item``, ``bool``,
+    ``int``, ``float``: ``_local_scalar_dense``), ``nonzero`` (boolean indexing), and ``tolist``
+    (counted by ``reading_tolist``, which reads memory without an op)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] in ("_local_scalar_dense", "nonzero"):
+            self.reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+def update_reads(tmp_path, monkeypatch, micro_batch_size: int) -> int:
+    module = tandem_module(micro_batch_size=micro_batch_size)
+    run, counter = module.updates.run, CountingReads()
+    tolist = torch.Tensor.tolist
+
+    def reading_tolist(tensor):
+        counter.reads += 1
+        return tolist(tensor)
+
+    def counting(*args, **kwargs):
+        with counter, monkeypatch.context() as patch:
+            patch.setattr(torch.Tensor, "tolist", reading_tolist)
+            return run(*args, **kwargs)
+
+    module.updates.run = counting
+    fit(module, RowsDataModule([row("p", ALWAYS)] * 4), tmp_path / str(micro_batch_size))
+    return counter.reads
+
+
+def test_an_update_reads_back_per_update_not_per_pass(tmp_path, monkeypatch):
+    """On a GPU each read of a device value waits for every pass queued before it: an update of
+    16 rows in 16 passes must read as often as in 4 (tests/test_gpu_training.py counts CUDA's
+    syncs on a real device; this is the CPU guard of the same property)."""
+    few, many = update_reads(tmp_path, monkeypatch, 4), update_reads(tmp_path, monkeypatch, 1)
+    assert 0 < few == many, (few, many)

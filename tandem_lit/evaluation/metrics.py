@@ -97,19 +97,41 @@ class LogprobGap:
     """
 
     def __init__(self) -> None:
-        self.total, self.largest, self.tokens = 0.0, 0.0, 0
+        # sums kept on the device as tokens arrive (no sync per pass); read once, by ``read``
+        self._sums: Tensor | None = None  # [total, tokens, largest]
 
     def add(self, train: Tensor, rollout: Tensor | None, author: Tensor) -> None:  # [N, T] each
         if rollout is None:
             return
         senior = author == Author.SENIOR
-        gap = (train.detach().float() - rollout.float()).abs()[senior]
-        if gap.numel():
-            self.total += float(gap.sum())
-            self.largest = max(self.largest, float(gap.max()))
-            self.tokens += gap.numel()
+        gap = torch.where(senior, (train.detach().float() - rollout.float()).abs(), 0.0)
+        part = torch.stack([gap.sum(), senior.sum().float(), gap.amax() if gap.numel() else gap.new_zeros(())])
+        if self._sums is None:
+            self._sums = part
+        else:
+            self._sums = torch.stack([self._sums[0] + part[0], self._sums[1] + part[1], torch.maximum(self._sums[2], part[2])])
+
+    def read(self) -> tuple[float, int, float]:
+        """(summed gap, senior tokens, largest gap) so far: one device sync."""
+        if self._sums is None:
+            return 0.0, 0, 0.0
+        total, tokens, largest = self._sums.tolist()
+        return total, int(tokens), largest
+
+    @property
+    def total(self) -> float:
+        return self.read()[0]
+
+    @property
+    def tokens(self) -> int:
+        return self.read()[1]
+
+    @property
+    def largest(self) -> float:
+        return self.read()[2]
 
     def metrics(self) -> dict[str, float]:
-        if not self.tokens:
+        total, tokens, largest = self.read()
+        if not tokens:
             return {}
-        return {"rollout_logp_gap_mean": self.total / self.tokens, "rollout_logp_gap_max": self.largest}
+        return {"rollout_logp_gap_mean": total / tokens, "rollout_logp_gap_max": largest}

@@ -263,6 +263,11 @@ def liger_logprobs(
         return hidden.new_zeros(targets.shape, dtype=torch.float32)
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+    if not torch.is_grad_enabled():
+        # the kernel computes its gradients in the forward for every input that requires grad,
+        # grad mode or not: a no-grad call (the old log-probs) with a weight already in the
+        # compute dtype (``.to`` returns the parameter itself) would pay for a backward
+        hidden, weight = hidden.detach(), weight.detach()
     flat = hidden.reshape(-1, hidden.shape[-1]).float()
     if temperature > 0:
         flat = flat / temperature

@@ -63,8 +63,10 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     return (values * mask).sum() / mask.sum().clamp_min(1)
 
 
-def token_weights(author: Tensor | None, junior_weight: float, like: Tensor) -> Tensor:  # -> [N, T] float
-    """Loss weight of every completion token from its author; raises on missing or bad authorship."""
+def token_weights(author: Tensor | None, junior_weight: float, like: Tensor, check: bool = True) -> Tensor:  # -> [N, T] float
+    """Loss weight of every completion token from its author; raises on missing or bad authorship.
+    ``check=False`` skips the look at the codes (a device sync) for rows already checked: an
+    update checks each mini-batch once (``Objective.loss_scale``), not each of its passes."""
     if author is None:
         raise AuthorshipError(
             "the rollout batch has no authorship mask (author is None); tandem objectives refuse to "
@@ -77,7 +79,7 @@ def token_weights(author: Tensor | None, junior_weight: float, like: Tensor) -> 
         raise AuthorshipError(f"author must hold integer Author codes, got dtype {author.dtype}")
     codes = author.long()
     known = (codes == Author.SENIOR) | (codes == Author.JUNIOR) | (codes == Author.PAD)
-    if not bool(known.all()):
+    if check and not bool(known.all()):
         bad = sorted(set(codes[~known].tolist()))
         raise AuthorshipError(f"author holds codes {bad} inside completions; expected SENIOR (2), JUNIOR (3) or PAD (0)")
     weights = torch.zeros_like(like, dtype=torch.float32)
@@ -163,7 +165,15 @@ class Objective(ABC):
         return LossScale(weight_sum=float(weights[keep].sum()), sequences=int(keep.sum()), max_tokens=max_tokens)
 
     def __call__(self, inputs: ObjectiveInputs, scale: LossScale | None = None) -> tuple[Tensor, dict[str, float]]:
-        weights = token_weights(inputs.author, self.junior_weight, like=inputs.logp)
+        loss, metrics = self.loss_and_metrics(inputs, scale)
+        return loss, {name: float(value) for name, value in metrics.items()}
+
+    def loss_and_metrics(self, inputs: ObjectiveInputs, scale: LossScale | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+        """The loss and its metrics as 0-d tensors on the loss's device: no host sync, so that an
+        update's passes queue on the GPU back to back (``__call__``: the metrics as floats).
+        With ``scale`` (from ``loss_scale``, which has checked these rows' authorship) the
+        authorship codes are not looked at again."""
+        weights = token_weights(inputs.author, self.junior_weight, like=inputs.logp, check=scale is None)
         advantages = inputs.advantages if inputs.advantages is not None else self.advantages(inputs.rewards, inputs.group)
         keep = self.included(advantages) if inputs.mask is None else self.included(advantages) & inputs.mask
         weights = weights * keep.unsqueeze(-1)
@@ -171,9 +181,9 @@ class Objective(ABC):
             scale = LossScale(float(weights.sum()), int(keep.sum()), inputs.logp.shape[1])
         per_token, metrics = self.token_loss(inputs, advantages, weights > 0)
         loss = self._aggregate(per_token, weights, scale)
-        out = {name: float(value) for name, value in metrics.items()}
-        out["loss"] = float(loss.detach())
-        out["included_fraction"] = float(keep.float().mean())
+        out = {name: value.detach() for name, value in metrics.items()}
+        out["loss"] = loss.detach()
+        out["included_fraction"] = keep.float().mean()
         return loss, out
 
     def _aggregate(self, per_token: Tensor, weights: Tensor, scale: LossScale) -> Tensor:

@@ -157,12 +157,14 @@ def completion_hidden_states(model: nn.Module, rollout: Rollout) -> Tensor:  # -
     flash kernel; on an H200 a pass of 3 unequal rows spent 31 ms in attention backward against
     8 ms for 3 equal rows of the same tokens without a mask. Assumes every prompt has a token and
     completions are right-padded (``Rollout``); the hidden states at padding positions are some
-    value, which callers mask.
+    value, which callers mask. Rows are ``prompt_width + width`` positions wide, which is the
+    longest row's length when the rollout is ``trimmed`` (as the update's passes are): the width
+    is known without reading the lengths back from the device, a sync per pass.
     """
     prompt, completion = rollout.prompt_ids, rollout.completion_ids
     prompt_width, width = prompt.shape[1], completion.shape[1]
     prompt_lengths = rollout.prompt_mask.sum(-1)  # [N]
-    row_width = int(prompt_lengths.max()) + width  # never more than prompt_width + width
+    row_width = prompt_width + width
     steps = torch.arange(row_width, device=prompt.device)
     # left-aligned position k of row i holds column first_i + k of [prompt | completion], first_i
     # its first real prompt column: its real prompt, then its completion; past the end (clamped)

@@ -123,8 +123,12 @@ class Rollout:
         written = self.completion_mask.sum().item()
         return (self.author == Author.JUNIOR).sum().item() / written if written else 0.0
 
-    def select(self, index: Tensor | list[int]) -> Rollout:
-        """Rows of this batch (a micro-batch, or the rollouts of kept groups)."""
+    def select(self, index: Tensor | list[int], rows: list[int] | None = None) -> Rollout:
+        """Rows of this batch (a micro-batch, or the rollouts of kept groups). ``rows``: the same
+        rows as a host list, where the caller has one: reading a CUDA ``index`` back (for
+        ``texts``) waits for the GPU."""
+        if rows is None:
+            rows = index if isinstance(index, list) else index.tolist()
         index = torch.as_tensor(index, dtype=torch.long, device=self.completion_ids.device)
         picked = {
             name: getattr(self, name)[index]
@@ -134,7 +138,7 @@ class Rollout:
             )
         }
         logprobs = self.senior_logprobs[index] if self.senior_logprobs is not None else None
-        return Rollout(**picked, texts=[self.texts[i] for i in index.tolist()], senior_logprobs=logprobs)
+        return Rollout(**picked, texts=[self.texts[i] for i in rows], senior_logprobs=logprobs)
 
     def to(self, device: torch.device | str) -> Rollout:
         """The same rollouts on ``device`` (host copies travel between ranks: a pickled CUDA tensor
@@ -142,12 +146,16 @@ class Rollout:
         moved = {name: value.to(device) for name, value in vars(self).items() if isinstance(value, Tensor)}
         return replace(self, **moved)
 
-    def trimmed(self) -> Rollout:
+    def trimmed(self, first: int | None = None, width: int | None = None) -> Rollout:
         """The same rows without columns that are padding in every row (prompt columns on the
         left, completion columns on the right): a micro-batch's forward pays for its own longest
-        sequence, not the whole batch's."""
-        first = int(self.prompt_mask.bool().any(0).long().argmax()) if self.prompt_mask.numel() else 0
-        width = max(int(self.lengths.max()) if self.lengths.numel() else 0, 1)
+        sequence, not the whole batch's. ``first`` (the first prompt column kept) and ``width``
+        (completion columns kept), when the caller knows them from host copies of the lengths:
+        reading them here is a device sync."""
+        if first is None:
+            first = int(self.prompt_mask.bool().any(0).long().argmax()) if self.prompt_mask.numel() else 0
+        if width is None:
+            width = max(int(self.lengths.max()) if self.lengths.numel() else 0, 1)
         logprobs = self.senior_logprobs[:, :width] if self.senior_logprobs is not None else None
         return replace(
             self,

@@ -29,6 +29,7 @@ from tandem_lit.objectives.base import Objective, ObjectiveInputs
 from tandem_lit.rollout.logprobs import completion_logprobs
 from tandem_lit.rollout.record import Rollout
 from tandem_lit.rollout.sampling import SamplingConfig
+from tandem_lit.training.compute_weights import ComputeWeights, autocast_dtype
 from tandem_lit.training.distributed import all_reduce_sum, balance, full_value, max_over_ranks
 from tandem_lit.training.memory import OptimizerOffload, pack_by_tokens
 from tandem_lit.training.settings import MemorySettings, UpdateSettings
@@ -58,6 +59,42 @@ class PhaseClock:
 
     def metrics(self) -> dict[str, float]:
         return {f"update_{part}_seconds": seconds for part, seconds in self.seconds.items()}
+
+
+def row_index(rows: list[int], device: torch.device) -> Tensor:  # -> [len(rows)] long
+    """``rows`` as an index tensor on ``device`` without a sync: a plain ``torch.tensor(rows,
+    device=cuda)`` copies from pageable memory and waits for the stream, i.e. for every pass
+    queued before it; a pinned buffer copies asynchronously."""
+    index = torch.tensor(rows, dtype=torch.long)
+    if device.type != "cuda":
+        return index.to(device)
+    return index.pin_memory().to(device, non_blocking=True)
+
+
+@dataclasses.dataclass
+class HostRows:
+    """Each row's prompt length, completion length and group, read to the host once per update:
+    the passes are cut and trimmed from these, so that building a pass needs no device sync."""
+
+    prompt: list[int]
+    completion: list[int]
+    group: list[int]
+    prompt_width: int
+    device: torch.device
+
+    @classmethod
+    def of(cls, rollout: Rollout, group: Tensor | None = None) -> HostRows:
+        rows = rollout.completion_ids.shape[0]
+        group = torch.zeros(rows, dtype=torch.long) if group is None else group
+        columns = torch.stack([rollout.prompt_mask.sum(-1).long().cpu(), rollout.lengths.long().cpu(), group.long().cpu()])
+        prompt, completion, groups = columns.tolist() if rows else ([], [], [])
+        return cls(prompt, completion, groups, rollout.prompt_ids.shape[1], rollout.completion_ids.device)
+
+    def trimmed(self, rollout: Rollout, micro: Tensor, rows: list[int]) -> Rollout:
+        """``rollout.select(micro).trimmed()`` for the ``rows`` that ``micro`` holds, from the host's lengths."""
+        first = self.prompt_width - max(self.prompt[i] for i in rows)
+        width = max(max(self.completion[i] for i in rows), 1)
+        return rollout.select(micro, rows).trimmed(first, width)
 
 
 class UpdatePhase:
@@ -103,57 +140,65 @@ class UpdatePhase:
         if overlong.mode == "penalty":
             rewards = torch.where(truncated, overlong.penalty, rewards)
         allowed = ~truncated if overlong.mode == "mask" else None
-        prompts = int(group.max()) + 1
+        # what the passes are cut by, on the host once (``HostRows``): the passes then queue on
+        # the GPU back to back, with no sync between them but the one Liger's head makes
+        host = HostRows.of(rollout, result.group)
+        prompts = max(host.group) + 1
         # with W ranks each holds 1/W of every mini-batch (``rank_rows``)
         per_update = self.settings.mini_batch_size // world if self.settings.mini_batch_size else prompts
-        updates = [torch.nonzero((group >= s) & (group < s + per_update)).squeeze(-1) for s in range(0, prompts, per_update)]
+        updates = [[i for i, g in enumerate(host.group) if s <= g < s + per_update] for s in range(0, prompts, per_update)]
         advantages = self.objective.advantages(rewards, group)
         # the ratio's denominator comes from the training model before this step's first update.
         # The first mini-batch's is its own forward's log-probs, detached (no update has happened
         # yet: with one update that is all of them); the later mini-batches' are computed here,
         # before the first update changes the weights
-        later = torch.cat(updates[1:]) if len(updates) > 1 else None
-        old_logp = self.behaviour_logprobs(rollout, device, later, world) if self.objective.uses_old_logp and later is not None else None
-        ref_logp = self.reference_logprobs(rollout, device, world) if self.objective.uses_reference else None
+        later = [i for rows in updates[1:] for i in rows] if len(updates) > 1 else None
+        with self.compute_weights(device, world):
+            old_logp = self.behaviour_logprobs(rollout, device, later, world, host) if self.objective.uses_old_logp and later is not None else None
+            ref_logp = self.reference_logprobs(rollout, device, world, host) if self.objective.uses_reference else None
         clock.charge("logprob")  # forward-only passes: the old and the reference log-probs
         gap = LogprobGap()
         if old_logp is not None and rollout.senior_logprobs is not None:
-            gap.add(old_logp[later], rollout.senior_logprobs[later], rollout.author[later])
-        totals: dict[str, float] = {}
-        for index, rows in enumerate(updates):
+            later_rows = row_index(later, device)
+            gap.add(old_logp[later_rows], rollout.senior_logprobs[later_rows], rollout.author[later_rows])
+        totals: dict[str, Tensor | float] = {}  # metrics summed on the device, read once at the end
+        for index, update_rows in enumerate(updates):
+            rows = row_index(update_rows, device)
             mask = allowed[rows] if allowed is not None else None
             scale = self.objective.loss_scale(rollout.author[rows], advantages[rows], self.sampling.max_new_tokens, mask)
-            micros = self.micro_batches(rollout, rows, world)
+            passes = self.passes(host, update_rows, world)
             if world > 1:  # normalisers of the whole mini-batch
                 weight_sum, sequences = all_reduce_sum([scale.weight_sum, scale.sequences], device)
                 scale = dataclasses.replace(scale, weight_sum=weight_sum, sequences=int(sequences))
             optimizer.zero_grad(set_to_none=True)
-            for micro in micros:
-                part = rollout.select(micro).trimmed()
-                width = part.completion_ids.shape[1]
-                logp = self.sequence_logprobs(self.senior, part)
-                if old_logp is None or index == 0:
-                    gap.add(logp, part.senior_logprobs, part.author)
-                old = None
-                if old_logp is not None:
-                    old = logp.detach() if index == 0 else old_logp[micro, :width]
-                inputs = ObjectiveInputs(
-                    logp=logp,
-                    author=part.author,
-                    rewards=rewards[micro],
-                    group=group[micro],
-                    old_logp=old,
-                    ref_logp=ref_logp[micro, :width] if ref_logp is not None else None,
-                    advantages=advantages[micro],
-                    mask=allowed[micro] if allowed is not None else None,
-                    rollout_logp=part.senior_logprobs,
-                )
-                loss, metrics = self.objective(inputs, scale)
-                self.backward(loss * world)  # FSDP averages gradients over ranks
-                # micro-batch losses add up to the update's loss; other metrics are row averages
-                totals["loss"] = totals.get("loss", 0.0) + metrics.pop("loss") / len(updates)
-                for name, value in metrics.items():
-                    totals[name] = totals.get(name, 0.0) + value * len(micro) / len(group)
+            with self.compute_weights(device, world):  # once per update: the weights change after it
+                for pass_rows in passes:
+                    micro = row_index(pass_rows, device)
+                    part = host.trimmed(rollout, micro, pass_rows)
+                    width = part.completion_ids.shape[1]
+                    logp = self.sequence_logprobs(self.senior, part)
+                    if old_logp is None or index == 0:
+                        gap.add(logp, part.senior_logprobs, part.author)
+                    old = None
+                    if old_logp is not None:
+                        old = logp.detach() if index == 0 else old_logp[micro, :width]
+                    inputs = ObjectiveInputs(
+                        logp=logp,
+                        author=part.author,
+                        rewards=rewards[micro],
+                        group=group[micro],
+                        old_logp=old,
+                        ref_logp=ref_logp[micro, :width] if ref_logp is not None else None,
+                        advantages=advantages[micro],
+                        mask=allowed[micro] if allowed is not None else None,
+                        rollout_logp=part.senior_logprobs,
+                    )
+                    loss, metrics = self.objective.loss_and_metrics(inputs, scale)
+                    self.backward(loss * world)  # FSDP averages gradients over ranks
+                    # micro-batch losses add up to the update's loss; other metrics are row averages
+                    totals["loss"] = totals.get("loss", 0.0) + metrics.pop("loss") / len(updates)
+                    for name, value in metrics.items():
+                        totals[name] = totals.get(name, 0.0) + value * len(micro) / len(group)
             clock.charge("passes")  # forward + backward
             totals["grad_norm"] = totals.get("grad_norm", 0.0) + self.clipped_norm(optimizer, step) / len(updates)
             if index == 0:
@@ -161,6 +206,9 @@ class UpdatePhase:
             optimizer.step()
             clock.charge("optimizer")  # clipping and the step
         optimizer.zero_grad(set_to_none=True)  # no gradient memory held through the next rollouts
+        names = list(totals)
+        totals = dict(zip(names, torch.stack([torch.as_tensor(totals[n], device=device, dtype=torch.float32)
+                                              for n in names]).cpu().tolist())) if names else {}
         totals["updates"] = float(len(updates))
         totals.update(gap.metrics())
         totals.update(clock.metrics())
@@ -191,7 +239,7 @@ class UpdatePhase:
         limit = self.settings.logp_gap_limit
         if limit is None:
             return
-        total, tokens = gap.total, gap.tokens
+        total, tokens, _ = gap.read()
         if world > 1:  # every rank decides on the same numbers: none waits in a collective alone
             total, tokens = all_reduce_sum([total, float(tokens)], device)
         if not tokens or total / tokens <= limit:
@@ -204,6 +252,12 @@ class UpdatePhase:
             "this update was not applied. Check the engine's weight sync and dtype (rollout_dtype: float32 to "
             "compare), or set update.logp_gap_limit: null to train anyway (docs/metrics.md)"
         )
+
+    def compute_weights(self, device: torch.device, world: int) -> ComputeWeights:
+        """The senior's linear weights in autocast's dtype for the passes inside it, cast once
+        (``memory.cast_weights_once``; one process: FSDP2 gathers its shards in bf16 already)."""
+        dtype = autocast_dtype(device) if self.memory.cast_weights_once and world == 1 else None
+        return ComputeWeights(self.senior, dtype)
 
     def clipped_norm(self, optimizer, step: int) -> float:
         """Clip the gradient; a non-finite norm stops the run before it reaches the weights."""
@@ -220,6 +274,11 @@ class UpdatePhase:
         return norm
 
     def micro_batches(self, rollout: Rollout, rows: Tensor, world: int = 1) -> list[Tensor]:
+        """``passes`` of ``rows`` (a tensor of row indices), as tensors of row indices."""
+        host = HostRows.of(rollout)
+        return [row_index(b, rows.device) for b in self.passes(host, rows.tolist(), world)]
+
+    def passes(self, host: HostRows, rows: list[int], world: int = 1) -> list[list[int]]:
         """The rows of one update in forward/backward passes of at most ``micro_batch_size`` rows
         (any number with ``memory.fill_passes``) and ``memory.micro_batch_tokens`` tokens, padded
         or packed (``memory.pack_by_tokens``). The gradient is a sum over rows: grouping does not
@@ -229,14 +288,14 @@ class UpdatePhase:
         waiting); the largest passes are split."""
         size = self.settings.micro_batch_size
         if self.memory.micro_batch_tokens is None:
-            passes = list(rows.split(size))
+            passes = [rows[start : start + size] for start in range(0, len(rows), size)]
         else:
             if self.memory.fill_passes:
                 size = len(rows)
-            prompts, completions = rollout.prompt_mask.sum(-1)[rows].tolist(), rollout.lengths[rows].tolist()
+            prompts, completions = [host.prompt[i] for i in rows], [host.completion[i] for i in rows]
             packed = pack_by_tokens(prompts, completions, size, self.memory.micro_batch_tokens, self.memory.pack_sequences)
-            passes = [rows[torch.tensor(b, device=rows.device)] for b in packed]
-        return balance(passes, max_over_ranks(len(passes), rollout.completion_ids.device)) if world > 1 else passes
+            passes = [[rows[i] for i in b] for b in packed]
+        return balance(passes, max_over_ranks(len(passes), host.device)) if world > 1 else passes
 
     # ------------------------------------------------------------------------------ log-probs
 
@@ -254,31 +313,36 @@ class UpdatePhase:
                                    vocab=self.vocab)
 
     @torch.no_grad()
-    def behaviour_logprobs(self, rollout: Rollout, device: torch.device, rows: Tensor | None = None,
-                           world: int = 1) -> Tensor:  # -> [N, T]
+    def behaviour_logprobs(self, rollout: Rollout, device: torch.device, rows: list[int] | None = None,
+                           world: int = 1, host: HostRows | None = None) -> Tensor:  # -> [N, T]
         """Senior log-probs before any update of this step (the ratio's denominator), of ``rows``
         (None: all; other rows stay 0)."""
-        return self.logprobs_by_rows(rollout, device, lambda part: self.sequence_logprobs(self.senior, part), rows, world)
+        return self.logprobs_by_rows(rollout, device, lambda part: self.sequence_logprobs(self.senior, part), rows, world, host)
 
     @torch.no_grad()
-    def reference_logprobs(self, rollout: Rollout, device: torch.device, world: int = 1) -> Tensor:  # -> [N, T]
+    def reference_logprobs(self, rollout: Rollout, device: torch.device, world: int = 1,
+                           host: HostRows | None = None) -> Tensor:  # -> [N, T]
         """Log-probs under the reference policy: the initial senior (LoRA disabled, or a frozen copy)."""
         if self.reference is not None:
-            return self.logprobs_by_rows(rollout, device, lambda part: self.sequence_logprobs(self.reference, part), world=world)
+            return self.logprobs_by_rows(rollout, device, lambda part: self.sequence_logprobs(self.reference, part),
+                                         world=world, host=host)
         with self.senior.disable_adapter():
-            return self.logprobs_by_rows(rollout, device, lambda part: self.sequence_logprobs(self.senior, part), world=world)
+            return self.logprobs_by_rows(rollout, device, lambda part: self.sequence_logprobs(self.senior, part),
+                                         world=world, host=host)
 
     def logprobs_by_rows(
-        self, rollout: Rollout, device: torch.device, logprobs: Callable[[Rollout], Tensor], rows: Tensor | None = None,
-        world: int = 1,
+        self, rollout: Rollout, device: torch.device, logprobs: Callable[[Rollout], Tensor], rows: list[int] | None = None,
+        world: int = 1, host: HostRows | None = None,
     ) -> Tensor:  # -> [N, T]
         """``logprobs`` of ``rows`` (None: the whole batch) in micro-batches, padding columns
-        trimmed per pass; other rows stay 0. ``world``: as ``micro_batches``."""
+        trimmed per pass; other rows stay 0. ``world``: as ``passes``."""
+        host = host or HostRows.of(rollout)
         if rows is None:
-            rows = torch.arange(rollout.completion_ids.shape[0], device=device)
+            rows = list(range(len(host.prompt)))
         out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=device)
-        for micro in self.micro_batches(rollout, rows, world):
-            part = logprobs(rollout.select(micro).trimmed())
+        for pass_rows in self.passes(host, rows, world):
+            micro = row_index(pass_rows, device)
+            part = logprobs(host.trimmed(rollout, micro, pass_rows))
             out[micro, : part.shape[1]] = part.float()
         return out
 
