@@ -23,7 +23,7 @@ from tandem_lit.training.memory import (
     estimate_step_memory,
 )
 from tandem_lit.training.settings import MemorySettings
-from tandem_lit.training.update_phase import UpdatePhase
+from tandem_lit.training.update_phase import HostRows, UpdatePhase
 from tandem_lit.verifiers.base import Grade, Verifier
 
 pytestmark = [
@@ -337,3 +337,44 @@ def test_forward_only_passes_match_the_busiest_rank(monkeypatch):
     assert sorted(passes) == [1, 1, 2]
     torch.testing.assert_close(balanced, alone)
 
+
+def test_forward_only_passes_hold_forward_only_pass_scale_times_a_training_pass():
+    """The old and reference log-probs keep nothing for a backward: their passes take
+    ``memory.forward_only_pass_scale`` times the rows (and tokens) of a training pass, and give
+    the same log-probs as passes of the training size."""
+    prompt = torch.ones(8, 3, dtype=torch.long)
+    author = torch.full((8, 5), int(Author.SENIOR), dtype=torch.int8)
+    zeros = torch.zeros(8, dtype=torch.long)
+    rollout = Rollout(prompt + 10, prompt, (torch.arange(40).reshape(8, 5) % 7) + 10, author,
+                      zeros.bool(), zeros.bool(), zeros, zeros, zeros, texts=["x"] * 8)
+    out = {}
+    for scale in (4, 1):
+        module = tiny_tandem_module(verifier=SpaceVerifier(), objective=GRPO(), micro_batch_size=1,
+                                    memory=MemorySettings(forward_only_pass_scale=scale))
+        module.configure_model()
+        passes = []
+
+        def counted(part, module=module, passes=passes):
+            passes.append(part.completion_ids.shape[0])
+            return module.updates.sequence_logprobs(module.senior, part)
+
+        out[scale] = module.updates.logprobs_by_rows(rollout, torch.device("cpu"), counted)
+        assert passes == [scale] * (8 // scale)
+        assert [len(p) for p in module.updates.passes(HostRows.of(rollout), list(range(8)))] == [1] * 8  # training passes
+    torch.testing.assert_close(out[4], out[1])
+
+
+def test_a_forward_only_pass_is_counted_one_layer_at_a_time():
+    """Hand-computed for the 4B at 8,048-token passes, bf16 compute over float32 weights: one
+    layer saves 178,176 bytes a token (2(4+2)2560 + 2*2*2560 + 6(4096+1024) + 2(3*4096 + 2*1024)
+    + 8*9728). Checkpointed, a training pass holds 36*4*2560 + 178,176 = 546,816 bytes a token;
+    a forward-only pass of 4x the tokens, 4 x 178,176 = 712,704 per training token: the larger."""
+    settings = StepSettings(rollout_sequences=64, sequence_tokens=4024, micro_batch_tokens=8048, rollout_bytes=2,
+                            rollout_copy=True, checkpointing=True, forward_only_tokens=4 * 8048)
+    assert QWEN3_4B.layer_bytes_per_token(2) == QWEN3_4B.forward_only_bytes_per_token(2) == 178_176
+    checkpointed = estimate_step_memory(QWEN3_4B, None, settings)
+    assert checkpointed.update["activations"] == 4 * 8048 * 178_176 + LOGIT_CHUNK_BYTES
+    training_only = estimate_step_memory(QWEN3_4B, None, StepSettings(**{**vars(settings), "forward_only_tokens": None}))
+    assert training_only.update["activations"] == 8048 * 546_816 + LOGIT_CHUNK_BYTES
+    stored = estimate_step_memory(QWEN3_4B, None, StepSettings(**{**vars(settings), "checkpointing": False}))
+    assert stored.update["activations"] == 8048 * 36 * 178_176 + LOGIT_CHUNK_BYTES  # the training pass is larger

@@ -95,15 +95,24 @@ class ModelShape:
         frozen = self.params - self.trainable
         return frozen * self.param_bytes + self.trainable * self.trainable_bytes
 
-    def activation_bytes_per_token(self, checkpointing: bool, compute_bytes: int) -> int:
-        """Tensors saved for the backward pass, per token (see the module docstring)."""
+    def layer_bytes_per_token(self, compute_bytes: int) -> int:
+        """One decoder layer's tensors saved for the backward pass, per token (module docstring)."""
         c, r = compute_bytes, max(self.param_bytes, self.trainable_bytes)
         h, q, kv, inter = self.hidden, self.q_width, self.kv_width, self.intermediate
-        per_layer = 2 * (r + c) * h + 2 * c * h + (4 + c) * (q + kv) + c * (3 * q + 2 * kv) + 4 * c * inter
+        return 2 * (r + c) * h + 2 * c * h + (4 + c) * (q + kv) + c * (3 * q + 2 * kv) + 4 * c * inter
+
+    def activation_bytes_per_token(self, checkpointing: bool, compute_bytes: int) -> int:
+        """Tensors saved for the backward pass, per token (see the module docstring)."""
+        per_layer = self.layer_bytes_per_token(compute_bytes)
         factors = self.layer_factors or (1.0,) * self.layers
         if checkpointing:  # each layer keeps its input; one layer is recomputed at a time
-            return self.layers * r * h + int(max(factors) * per_layer)
+            return self.layers * max(self.param_bytes, self.trainable_bytes) * self.hidden + int(max(factors) * per_layer)
         return int(sum(factors) * per_layer)
+
+    def forward_only_bytes_per_token(self, compute_bytes: int) -> int:
+        """A forward pass without autograd, per token: one layer's temporaries at a time (counted
+        as what that layer would save for a backward)."""
+        return int(max(self.layer_factors or (1.0,)) * self.layer_bytes_per_token(compute_bytes))
 
 
 def hybrid_layer_factors(config) -> tuple[float, ...]:
@@ -128,6 +137,7 @@ class StepSettings:
     mixed_precision: bool = True  # bf16 compute over float32 weights (autocast)
     checkpointing: bool = False
     offload_optimizer: bool = False
+    forward_only_tokens: int | None = None  # tokens of one forward-only pass (log-probs), at most; None: as a training pass
     optimizer_states: int = 2  # AdamW: exp_avg and exp_avg_sq, in the trainable dtype
     reference_copy: bool = False  # a frozen copy of the senior for the KL term
     kv_pool_tokens: int | None = None  # a paged engine's pool (positions); None: slot caches, sequences x tokens
@@ -194,7 +204,9 @@ def estimate_step_memory(senior: ModelShape, junior: ModelShape | None, settings
     tokens = s.kv_pool_tokens if s.kv_pool_tokens is not None else s.rollout_sequences * s.sequence_tokens
     rollout = dict(common, **{"KV caches": tokens * per_token, "optimizer state": 0 if s.offload_optimizer else state})
     compute = 2 if s.mixed_precision else senior.trainable_bytes or senior.param_bytes
-    activations = s.micro_batch_tokens * senior.activation_bytes_per_token(s.checkpointing, compute)
+    # a training pass's saved tensors, or a forward-only pass's (more tokens, one layer at a time)
+    activations = max(s.micro_batch_tokens * senior.activation_bytes_per_token(s.checkpointing, compute),
+                      (s.forward_only_tokens or 0) * senior.forward_only_bytes_per_token(compute))
     update = dict(
         common,
         **{
@@ -359,6 +371,7 @@ def estimate_run_memory(
         rollout_sequences=min(per_call, step_rollouts),
         sequence_tokens=sequence_tokens,
         micro_batch_tokens=micro_tokens,
+        forward_only_tokens=micro_tokens * memory.forward_only_pass_scale,
         rollout_bytes=decode_dtype.itemsize if copy else senior_shape.param_bytes,
         rollout_copy=copy,
         junior_bytes=junior_shape.param_bytes if junior_shape else 0,

@@ -156,6 +156,12 @@ class MemorySettings:
             instead of autocast casting them in every forward pass, and each pass's gradient is
             added straight into the float32 weights' ``.grad``: the same arithmetic, ~70% less
             memory traffic outside the matmuls. Off: autocast's cast per forward.
+        forward_only_pass_scale: How many times a training pass's rows and tokens
+            (``update.micro_batch_size``, ``micro_batch_tokens``) a forward-only pass holds: the
+            old and the reference log-probs keep no activations for a backward, so a pass of 4x
+            the tokens holds one layer's temporaries, not every layer's saved tensors (the memory
+            plan counts the larger of the two), and a quarter of the passes spends a quarter of
+            the host's launch time. 1: the training passes' size.
         check: Before the first step, estimate the step's peak memory from the shapes and fail
             with what does not fit (and which setting to change) instead of running out mid-run.
     """
@@ -168,6 +174,7 @@ class MemorySettings:
     pack_sequences: bool = False
     fused_kernels: FusedKernels = "auto"
     cast_weights_once: bool = True
+    forward_only_pass_scale: int = 4
     check: bool = True
 
     def __post_init__(self) -> None:
@@ -175,6 +182,8 @@ class MemorySettings:
             raise ConfigError(f"memory.micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
         if self.fill_passes and self.micro_batch_tokens is None:
             raise ConfigError("memory.fill_passes fills each pass up to memory.micro_batch_tokens: set that bound too")
+        if self.forward_only_pass_scale < 1:
+            raise ConfigError(f"memory.forward_only_pass_scale must be >= 1, got {self.forward_only_pass_scale}")
         if self.fused_kernels not in ("auto", "liger", "off"):
             raise ConfigError(f"memory.fused_kernels must be 'auto', 'liger' or 'off', got {self.fused_kernels!r}")
 

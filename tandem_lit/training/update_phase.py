@@ -278,22 +278,24 @@ class UpdatePhase:
         host = HostRows.of(rollout)
         return [row_index(b, rows.device) for b in self.passes(host, rows.tolist(), world)]
 
-    def passes(self, host: HostRows, rows: list[int], world: int = 1) -> list[list[int]]:
+    def passes(self, host: HostRows, rows: list[int], world: int = 1, scale: int = 1) -> list[list[int]]:
         """The rows of one update in forward/backward passes of at most ``micro_batch_size`` rows
         (any number with ``memory.fill_passes``) and ``memory.micro_batch_tokens`` tokens, padded
-        or packed (``memory.pack_by_tokens``). The gradient is a sum over rows: grouping does not
+        or packed (``memory.pack_by_tokens``), both bounds times ``scale`` (forward-only passes:
+        ``memory.forward_only_pass_scale``). The gradient is a sum over rows: grouping does not
         change it. On ``world`` > 1 processes every rank gets as many passes as the busiest (FSDP
         gathers weights in each forward, trained or not: token-bounded passes differ in number
         between ranks whose rows differ in length, and a rank a pass short would leave the others
         waiting); the largest passes are split."""
-        size = self.settings.micro_batch_size
+        size = self.settings.micro_batch_size * scale
         if self.memory.micro_batch_tokens is None:
             passes = [rows[start : start + size] for start in range(0, len(rows), size)]
         else:
             if self.memory.fill_passes:
                 size = len(rows)
             prompts, completions = [host.prompt[i] for i in rows], [host.completion[i] for i in rows]
-            packed = pack_by_tokens(prompts, completions, size, self.memory.micro_batch_tokens, self.memory.pack_sequences)
+            tokens = self.memory.micro_batch_tokens * scale
+            packed = pack_by_tokens(prompts, completions, size, tokens, self.memory.pack_sequences)
             passes = [[rows[i] for i in b] for b in packed]
         return balance(passes, max_over_ranks(len(passes), host.device)) if world > 1 else passes
 
@@ -334,13 +336,14 @@ class UpdatePhase:
         self, rollout: Rollout, device: torch.device, logprobs: Callable[[Rollout], Tensor], rows: list[int] | None = None,
         world: int = 1, host: HostRows | None = None,
     ) -> Tensor:  # -> [N, T]
-        """``logprobs`` of ``rows`` (None: the whole batch) in micro-batches, padding columns
-        trimmed per pass; other rows stay 0. ``world``: as ``passes``."""
+        """``logprobs`` of ``rows`` (None: the whole batch) in forward-only passes
+        (``memory.forward_only_pass_scale`` times a training pass), padding columns trimmed per
+        pass; other rows stay 0. ``world``: as ``passes``."""
         host = host or HostRows.of(rollout)
         if rows is None:
             rows = list(range(len(host.prompt)))
         out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=device)
-        for pass_rows in self.passes(host, rows, world):
+        for pass_rows in self.passes(host, rows, world, scale=self.memory.forward_only_pass_scale):
             micro = row_index(pass_rows, device)
             part = logprobs(host.trimmed(rollout, micro, pass_rows))
             out[micro, : part.shape[1]] = part.float()
