@@ -55,6 +55,9 @@ for name in "$@"; do
     # issue 27: the GRPO arm at lognormal lengths, its update profiled in one more step (~5 min)
     grpo-profile) stage "$name" 590 python3 benchmarks/train_step.py --config configs/rlvr/qwen3_4b_tandem.yaml "${DATA[@]}" \
       --arms grpo --lengths "$LOGNORMAL" --warmup-steps 2 --profile-update "$OUT/update_profile_grpo" --json "$OUT/$name.json";;
+    # issue 27: the GRPO arm at lognormal lengths, unprofiled (~3.5 min): the update against tokens trained on
+    grpo-lognormal) stage "$name" 590 python3 benchmarks/train_step.py --config configs/rlvr/qwen3_4b_tandem.yaml "${DATA[@]}" \
+      --arms grpo --lengths "$LOGNORMAL" --warmup-steps 2 --json "$OUT/$name.json";;
     # issue 27: the GRPO arm at fixed lengths (the update's target), its update profiled in one more step (~5 min)
     grpo-fixed-profile) stage "$name" 590 python3 benchmarks/train_step.py --config configs/rlvr/qwen3_4b_tandem.yaml "${DATA[@]}" \
       --arms grpo --warmup-steps 1 --profile-update "$OUT/update_profile_grpo_fixed" --json "$OUT/$name.json";;
