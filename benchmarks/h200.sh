@@ -64,6 +64,8 @@ for name in "$@"; do
     # issue 27: one update pass with the linear weights cast once per update against autocast's cast per forward (~2 min)
     cast-once) stage "$name" 300 python3 benchmarks/update_kernels.py --variants off off+once liger liger+once \
       --profile-rows 14 --json "$OUT/$name.json";;
+    # issue 27: one RMSNorm's forward + backward per call, Liger against torch's fused op (~20 s)
+    rms-norm) stage "$name" 120 python3 benchmarks/rms_norm_call.py --dtype float32;;
     # issue 27: the update's GPU tests: cast once, no per-pass syncs, Liger against PyTorch, the tiny GPU steps (~3 min)
     update-tests) stage "$name" 400 python3 -m pytest -q -p no:cacheprovider tests/test_compute_weights.py \
       tests/test_gpu_training.py tests/test_liger_gpu.py;;

@@ -120,10 +120,34 @@ def check(architecture: str, packed: bool) -> None:
     assert torch.equal(completion_logprobs(model, rollout, 0.7, packed=packed, vocab=SAMPLED_VOCAB), plain.detach())
 
 
+def check_llama_norm_kernel() -> None:
+    """Liger's RMSNorm with ``llama`` casting against transformers' norm, output and gradients:
+    the float32 models above run torch's fused op for their norms (``liger._rms_norm_forward``),
+    so Liger's kernel, which a GPU runs for the bf16 q/k norms, is checked on its own."""
+    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(16, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(5, 16, requires_grad=True)
+    out_grad = torch.randn(5, 16)
+    plain = norm(x)
+    plain_grads = torch.autograd.grad(plain, [x, norm.weight], out_grad)
+    kernel = LigerRMSNormFunction.apply(x, norm.weight, 1e-6, 0.0, "llama", False, None)
+    kernel_grads = torch.autograd.grad(kernel, [x, norm.weight], out_grad)
+    torch.testing.assert_close(kernel, plain, rtol=1e-5, atol=1e-6)
+    for a, b in zip(kernel_grads, plain_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     logprobs.CHUNK_ELEMENTS = 4 * 40  # several chunks in both heads
     for architecture, packed in CASES:
         check(architecture, packed)
         print(f"{architecture}-{'packed' if packed else 'padded'}", flush=True)
+    check_llama_norm_kernel()
+    print("llama-norm-kernel")
     print("ok")

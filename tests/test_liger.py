@@ -147,7 +147,29 @@ def test_liger_kernels_equal_pytorch_in_float32():
     done = subprocess.run([sys.executable, str(REPO_ROOT / "tests" / "liger_interpreted.py")], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    assert done.stdout.split() == ["llama-padded", "qwen3-packed", "qwen3_5-padded", "qwen3-lora-padded", "ok"]
+    assert done.stdout.split() == ["llama-padded", "qwen3-packed", "qwen3_5-padded", "qwen3-lora-padded", "llama-norm-kernel", "ok"]
+
+
+@needs_liger
+def test_a_norm_whose_input_and_weight_share_a_dtype_runs_torchs_fused_op(monkeypatch):
+    """The float32 residual stream's norms run torch's ``rms_norm`` (a forward and backward a
+    quarter of Liger's time on an H200, docs/benchmarks.md) and equal transformers' norm; a bf16
+    input with a float32 weight (q/k norms under autocast) goes to Liger's kernel."""
+    import liger_kernel.ops.rms_norm as liger_norm
+
+    calls = []
+    monkeypatch.setattr(liger_norm.LigerRMSNormFunction, "apply", lambda x, *args: calls.append(x.dtype) or x.float())
+    model = tiny_llama(40, seed=0)
+    norm = model.model.layers[0].input_layernorm
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(3, 7, norm.weight.shape[0])
+    expected = norm(x)
+    liger.apply_liger(model, ("rms_norm",))
+    torch.testing.assert_close(norm(x), expected, rtol=1e-6, atol=1e-6)
+    assert calls == []
+    norm(x.bfloat16())
+    assert calls == [torch.bfloat16]
 
 
 @pytest.mark.parametrize("shape", [[], ["--completions", "3000", "2000", "1000"]], ids=["one-row", "unequal-rows"])
