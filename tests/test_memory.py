@@ -201,11 +201,9 @@ def test_micro_batches_cover_every_row_once_within_the_bounds(prompts, completio
     n, rollout = len(prompts), rows_of_lengths(prompts, lengths)
     module = tiny_tandem_module(verifier=SpaceVerifier(), objective=GRPO(), micro_batch_size=rows_per_pass,
                                 memory=MemorySettings(micro_batch_tokens=limit, fill_passes=fill))
-    rows = torch.arange(n)
-    batches = module.updates.micro_batches(rollout, rows)
-    assert sorted(torch.cat(batches).tolist()) == list(range(n))
-    for batch in batches:
-        idx = batch.tolist()
+    batches = module.updates.passes(HostRows.of(rollout), list(range(n)))
+    assert sorted(i for batch in batches for i in batch) == list(range(n))
+    for idx in batches:
         padded = len(idx) * (max(prompts[i] for i in idx) + max(lengths[i] for i in idx))
         assert fill or len(idx) <= rows_per_pass
         assert len(idx) == 1 or padded <= limit  # a single row may exceed the bound alone
@@ -219,7 +217,7 @@ def test_fill_passes_puts_short_rows_together_up_to_the_token_bound():
     def pass_sizes(fill: bool) -> list[int]:
         module = tiny_tandem_module(verifier=SpaceVerifier(), objective=GRPO(), micro_batch_size=2,
                                     memory=MemorySettings(micro_batch_tokens=400, fill_passes=fill))
-        return [len(b) for b in module.updates.micro_batches(rollout, torch.arange(9))]
+        return [len(b) for b in module.updates.passes(HostRows.of(rollout), list(range(9)))]
 
     assert pass_sizes(False) == [1, 2, 2, 2, 2]
     assert pass_sizes(True) == [1, 4, 4]

@@ -273,11 +273,6 @@ class UpdatePhase:
             )
         return norm
 
-    def micro_batches(self, rollout: Rollout, rows: Tensor, world: int = 1) -> list[Tensor]:
-        """``passes`` of ``rows`` (a tensor of row indices), as tensors of row indices."""
-        host = HostRows.of(rollout)
-        return [row_index(b, rows.device) for b in self.passes(host, rows.tolist(), world)]
-
     def passes(self, host: HostRows, rows: list[int], world: int = 1, scale: int = 1) -> list[list[int]]:
         """The rows of one update in forward/backward passes of at most ``micro_batch_size`` rows
         (any number with ``memory.fill_passes``) and ``memory.micro_batch_tokens`` tokens, padded
