@@ -369,7 +369,7 @@ def test_a_forward_only_pass_is_counted_one_layer_at_a_time():
     a forward-only pass of 4x the tokens, 4 x 178,176 = 712,704 per training token: the larger."""
     settings = StepSettings(rollout_sequences=64, sequence_tokens=4024, micro_batch_tokens=8048, rollout_bytes=2,
                             rollout_copy=True, checkpointing=True, forward_only_tokens=4 * 8048)
-    assert QWEN3_4B.layer_bytes_per_token(2) == QWEN3_4B.forward_only_bytes_per_token(2) == 178_176
+    assert QWEN3_4B.layer_bytes_per_token(2) == QWEN3_4B.largest_layer_bytes_per_token(2) == 178_176
     checkpointed = estimate_step_memory(QWEN3_4B, None, settings)
     assert checkpointed.update["activations"] == 4 * 8048 * 178_176 + LOGIT_CHUNK_BYTES
     training_only = estimate_step_memory(QWEN3_4B, None, StepSettings(**{**vars(settings), "forward_only_tokens": None}))

@@ -103,15 +103,15 @@ class ModelShape:
 
     def activation_bytes_per_token(self, checkpointing: bool, compute_bytes: int) -> int:
         """Tensors saved for the backward pass, per token (see the module docstring)."""
-        per_layer = self.layer_bytes_per_token(compute_bytes)
-        factors = self.layer_factors or (1.0,) * self.layers
         if checkpointing:  # each layer keeps its input; one layer is recomputed at a time
-            return self.layers * max(self.param_bytes, self.trainable_bytes) * self.hidden + int(max(factors) * per_layer)
-        return int(sum(factors) * per_layer)
+            return self.layers * max(self.param_bytes, self.trainable_bytes) * self.hidden + self.largest_layer_bytes_per_token(compute_bytes)
+        factors = self.layer_factors or (1.0,) * self.layers
+        return int(sum(factors) * self.layer_bytes_per_token(compute_bytes))
 
-    def forward_only_bytes_per_token(self, compute_bytes: int) -> int:
-        """A forward pass without autograd, per token: one layer's temporaries at a time (counted
-        as what that layer would save for a backward)."""
+    def largest_layer_bytes_per_token(self, compute_bytes: int) -> int:
+        """The largest layer's saved tensors, per token: what one layer recomputed under
+        checkpointing holds, and what a forward pass without autograd holds (its temporaries,
+        one layer at a time)."""
         return int(max(self.layer_factors or (1.0,)) * self.layer_bytes_per_token(compute_bytes))
 
 
@@ -206,7 +206,7 @@ def estimate_step_memory(senior: ModelShape, junior: ModelShape | None, settings
     compute = 2 if s.mixed_precision else senior.trainable_bytes or senior.param_bytes
     # a training pass's saved tensors, or a forward-only pass's (more tokens, one layer at a time)
     activations = max(s.micro_batch_tokens * senior.activation_bytes_per_token(s.checkpointing, compute),
-                      (s.forward_only_tokens or 0) * senior.forward_only_bytes_per_token(compute))
+                      (s.forward_only_tokens or 0) * senior.largest_layer_bytes_per_token(compute))
     update = dict(
         common,
         **{
