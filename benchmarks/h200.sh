@@ -58,6 +58,14 @@ for name in "$@"; do
     # issue 27: the GRPO arm at lognormal lengths, unprofiled (~3.5 min): the update against tokens trained on
     grpo-lognormal) stage "$name" 590 python3 benchmarks/train_step.py --config configs/rlvr/qwen3_4b_tandem.yaml "${DATA[@]}" \
       --arms grpo --lengths "$LOGNORMAL" --warmup-steps 2 --json "$OUT/$name.json";;
+    # issue 27: the same with packed passes through PyTorch's variable-length flash kernel (~3.5 min)
+    grpo-lognormal-packed) stage "$name" 590 python3 benchmarks/train_step.py --config configs/rlvr/qwen3_4b_tandem.yaml "${DATA[@]}" \
+      --arms grpo --lengths "$LOGNORMAL" --warmup-steps 2 --pack-sequences --json "$OUT/$name.json";;
+    # issue 27: LoRA (rank 16) and QLoRA (4-bit base: carry the bitsandbytes wheel in $WHEELS) at fixed lengths (~6 and ~9 min)
+    lora-fixed) stage "$name" 590 python3 benchmarks/train_step.py --config configs/rlvr/qwen3_4b_tandem.yaml "${DATA[@]}" \
+      --arms tandem --lora 16 --warmup-steps 2 --json "$OUT/$name.json";;
+    qlora-fixed) stage "$name" 590 python3 benchmarks/train_step.py --config configs/rlvr/qwen3_4b_tandem.yaml "${DATA[@]}" \
+      --arms tandem --lora 16 --qlora --warmup-steps 1 --json "$OUT/$name.json";;
     # issue 27: the GRPO arm at fixed lengths (the update's target), its update profiled in one more step (~5 min)
     grpo-fixed-profile) stage "$name" 590 python3 benchmarks/train_step.py --config configs/rlvr/qwen3_4b_tandem.yaml "${DATA[@]}" \
       --arms grpo --warmup-steps 1 --profile-update "$OUT/update_profile_grpo_fixed" --json "$OUT/$name.json";;
@@ -66,9 +74,9 @@ for name in "$@"; do
       --profile-rows 14 --json "$OUT/$name.json";;
     # issue 27: one RMSNorm's forward + backward per call, Liger against torch's fused op (~20 s)
     rms-norm) stage "$name" 120 python3 benchmarks/rms_norm_call.py --dtype float32;;
-    # issue 27: the update's GPU tests: cast once, no per-pass syncs, Liger against PyTorch, the tiny GPU steps (~3 min)
+    # issue 27: the update's GPU tests: cast once, no per-pass syncs, Liger against PyTorch, varlen packing, the tiny GPU steps (~3 min)
     update-tests) stage "$name" 400 python3 -m pytest -q -p no:cacheprovider tests/test_compute_weights.py \
-      tests/test_gpu_training.py tests/test_liger_gpu.py;;
+      tests/test_gpu_training.py tests/test_liger_gpu.py tests/test_packing.py;;
     # issue 27: Liger's kernels and fused head against PyTorch's on the GPU (~1 min)
     liger-tests) stage "$name" 200 python3 -m pytest -q -p no:cacheprovider tests/test_liger_gpu.py tests/test_liger.py;;
     # issue 24: FastEngine's GPU tests (CUDA graphs, Triton kernels, paged pool with preemption and resumption) (~2 min)

@@ -635,7 +635,7 @@ def main() -> None:
                              "micro_batch_size rows (default: the config's)")
     parser.add_argument("--attn-implementation", default=None, choices=["sdpa", "eager", "flex_attention", "flash_attention_2"],
                         help="the senior's attention in the update (default: transformers'); with --pack-sequences, "
-                             "flex_attention masks packed sequences block-sparsely where sdpa takes a dense mask")
+                             "sdpa runs PyTorch's variable-length flash kernel (models.varlen_attention)")
     parser.add_argument("--fused-kernels", default=None, choices=["auto", "liger", "off"],
                         help="memory.fused_kernels: Liger-Kernel's kernels in the update (default: the config's, auto)")
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="the device's dense bf16 TFLOP/s, for the update's MFU")

@@ -7,6 +7,7 @@ completions of 1-60): the padded rows are mostly padding, the packed row has non
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 
 from tandem_lit.errors import ConfigError
 from tandem_lit.evaluation.results import RolloutResult
+from tandem_lit.models import varlen_attention
 from tandem_lit.objectives.base import ObjectiveInputs
 from tandem_lit.objectives.grpo import GRPO
 from tandem_lit.rollout import logprobs
@@ -94,6 +96,76 @@ def test_packed_passes_are_bounded_by_their_summed_tokens():
     assert len(passes) < len(pack_by_tokens(prompts, completions, max_rows=4, max_tokens=70))
 
 
+def varlen_calls(monkeypatch) -> list[list[int]]:
+    """The sequence bounds each packed attention call of ``models.varlen_attention`` got (its CPU path)."""
+    calls: list[list[int]] = []
+    reference = varlen_attention._reference_varlen
+
+    def spy(query, key, value, cu, scaling):
+        calls.append(cu.tolist())
+        return reference(query, key, value, cu, scaling)
+
+    monkeypatch.setattr(varlen_attention, "_reference_varlen", spy)
+    return calls
+
+
+def test_packed_rows_through_the_varlen_attention_equal_padded_rows(monkeypatch):
+    """Inside ``varlen_during`` an sdpa model runs the variable-length path on packed rows, given
+    each sequence's bounds (prompt + completion), with the padded rows' log-probs and gradients;
+    afterwards it is sdpa again."""
+    vocab = 40
+    llama, rollout = model(vocab), ragged_rollout(vocab)
+    written = rollout.completion_mask
+    weights = torch.linspace(-1, 1, written.numel()).view_as(written) * written
+    padded = completion_logprobs(llama, rollout, TEMPERATURE)
+    padded_grads = torch.autograd.grad((padded * weights).sum(), list(llama.parameters()))
+    calls = varlen_calls(monkeypatch)
+    with varlen_attention.varlen_during([llama], torch.device("cpu")):
+        assert llama.config._attn_implementation == varlen_attention.VARLEN
+        packed = completion_logprobs(llama, rollout, TEMPERATURE, packed=True)
+        packed_grads = torch.autograd.grad((packed * weights).sum(), list(llama.parameters()))
+    assert llama.config._attn_implementation == "sdpa"
+    bounds = [0]
+    for p, c in zip(PROMPTS, COMPLETIONS):
+        bounds.append(bounds[-1] + p + c)
+    assert calls and all(cu == bounds for cu in calls)  # every layer, forward and recomputed chunks alike
+    torch.testing.assert_close(packed[written], padded[written], rtol=0, atol=2e-5)
+    for (name, _), a, b in zip(llama.named_parameters(), packed_grads, padded_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_outside_packed_passes_the_varlen_attention_is_causal_sdpa():
+    """A forward with no sequence bounds (a left-aligned padded pass) gets plain causal attention."""
+    llama, ids = model(40), torch.randint(4, 40, (3, 11))
+    expected = llama(input_ids=ids).logits
+    with varlen_attention.varlen_during([llama], torch.device("cpu")):
+        got = llama(input_ids=ids).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_the_cuda_varlen_kernel_equals_the_block_masked_sdpa_in_bf16():
+    """On a GPU: packed rows through PyTorch's variable-length flash kernel (grouped-query heads)
+    give the log-probs and gradients of packed rows under sdpa's block-diagonal mask, to bf16 rounding."""
+    vocab = 40
+    rollout = ragged_rollout(vocab).to("cuda")
+    written = rollout.completion_mask
+    weights = torch.linspace(-1, 1, written.numel(), device="cuda").view_as(written) * written
+    results = {}
+    for varlen in (False, True):
+        llama = model(vocab).cuda()
+        assert llama.config.num_key_value_heads < llama.config.num_attention_heads
+        context = varlen_attention.varlen_during([llama], torch.device("cuda")) if varlen else contextlib.nullcontext()
+        with context, torch.autocast("cuda", dtype=torch.bfloat16):
+            logp = completion_logprobs(llama, rollout, TEMPERATURE, packed=True)
+            grads = torch.autograd.grad((logp * weights).sum(), list(llama.parameters()))
+        results[varlen] = logp, grads
+    (block, block_grads), (varlen, varlen_grads) = results[False], results[True]
+    assert (varlen[written] - block[written]).abs().max() < 0.05
+    for a, b in zip(varlen_grads, block_grads):
+        assert float((a - b).norm()) <= 0.05 * float(b.norm()) + 1e-6
+
+
 class RecordingSGD(torch.optim.SGD):
     """SGD that keeps each step's gradients (the update's, parameter by parameter)."""
 
@@ -131,11 +203,14 @@ def assert_same_grads(got: list[list[torch.Tensor]], expected: list[list[torch.T
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
-def test_a_packed_update_equals_the_padded_one():
+def test_a_packed_update_equals_the_padded_one(monkeypatch):
     vocab = 40
     rollout, llama = ragged_rollout(vocab), model(vocab)
     padded = run_update(copy.deepcopy(llama), rollout, MemorySettings(micro_batch_tokens=90))
-    packed = run_update(copy.deepcopy(llama), rollout, MemorySettings(micro_batch_tokens=90, pack_sequences=True))
+    calls = varlen_calls(monkeypatch)
+    packed_model = copy.deepcopy(llama)
+    packed = run_update(packed_model, rollout, MemorySettings(micro_batch_tokens=90, pack_sequences=True))
+    assert calls and packed_model.config._attn_implementation == "sdpa"  # the varlen path, for the update only
     assert padded[0]["updates"] == packed[0]["updates"] == 2
     for name in ("loss", "rollout_logp_gap_mean"):
         assert packed[0][name] == pytest.approx(padded[0][name], rel=1e-5, abs=1e-7)

@@ -10,7 +10,9 @@ into one row with position ids restarting at 0 per sequence and no attention mas
 reads the restarts as document boundaries (``masking_utils.find_packed_sequence_indices``: a
 block-diagonal causal mask for sdpa / eager / flex attention; varlen kernels for flash attention,
 which needs the single row), so each sequence attends only to itself, as in the padded rows, and
-no compute or logits are spent on padding. Models whose linear-attention layers carry state along
+no compute or logits are spent on padding. During the update an ``sdpa`` model runs
+``models.varlen_attention`` instead, handed each sequence's bounds: PyTorch's variable-length flash
+kernel on CUDA, no mask built. Models whose linear-attention layers carry state along
 the row (Qwen3.5's Gated DeltaNet) and attention kernels that ignore the restarts are refused.
 
 Fused (``fused=True``, ``memory.fused_kernels``): Liger-Kernel's fused linear cross-entropy in
@@ -26,12 +28,14 @@ import logging
 from collections.abc import Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from tandem_lit.errors import ConfigError
 from tandem_lit.models.delta_scan import chunk_gated_delta_rule
 from tandem_lit.models.liger import liger_logprobs
+from tandem_lit.models.varlen_attention import VARLEN, uses_varlen
 from tandem_lit.rollout.record import Rollout
 from tandem_lit.rollout.weights import plain_model
 
@@ -46,7 +50,7 @@ CHUNK_ELEMENTS = 2**28  # float logits per chunk (1 GiB)
 TRITON_SCAN_DEVICES: frozenset[str] = frozenset({"cuda"})
 # attention implementations that turn restarting position ids into document-masked attention
 # (transformers 5: the mask functions of masking_utils, and flash attention's varlen path)
-PACKED_ATTENTION = frozenset({"sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4"})
+PACKED_ATTENTION = frozenset({VARLEN, "sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4"})
 
 
 def avoid_cudnn_attention_backward() -> None:
@@ -210,10 +214,17 @@ def packed_hidden_states(model: nn.Module, rollout: Rollout) -> Tensor:  # -> [C
     slots = (real.flatten().long().cumsum(0) - 1).view_as(real)
     predictors = slots[:, rollout.prompt_ids.shape[1] :][written] - 1
     forward = getattr(model, "completion_hidden", None) or functools.partial(last_hidden_state, model)
+    boundaries = {}
+    if uses_varlen(plain_model(model)):  # the sequences' bounds for the variable-length kernel (models.varlen_attention)
+        lengths = real.sum(-1)
+        cu = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+        longest = int(lengths.max())
+        boundaries = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
     # no cache: transformers reads restarting position ids as packed sequences only without one
     # (masking_utils._preprocess_mask_arguments), and config.use_cache would make one
     with engine_matched_precision(model):
-        hidden = forward(input_ids=ids[real].unsqueeze(0), position_ids=positions[real].unsqueeze(0), use_cache=False)
+        hidden = forward(input_ids=ids[real].unsqueeze(0), position_ids=positions[real].unsqueeze(0), use_cache=False,
+                         **boundaries)
     return hidden[0, predictors]
 
 

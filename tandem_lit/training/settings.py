@@ -143,7 +143,9 @@ class MemorySettings:
             restarting per sequence and attention kept within each sequence
             (``rollout.logprobs``); the same log-probs, loss and gradients as padded rows, without
             the padding's compute. Needs sdpa, eager, flex or flash attention; not for models
-            with linear-attention layers (Qwen3.5). Off: padded rows.
+            with linear-attention layers (Qwen3.5). An ``sdpa`` senior runs PyTorch's
+            variable-length flash kernel for the update (``models.varlen_attention``; CUDA with
+            torch >= 2.10, else sdpa's block-diagonal mask). Off: padded rows.
         fused_kernels: Liger-Kernel's Triton kernels in the senior's training forward: RMSNorm,
             SwiGLU, rotary (Llama/Mistral/Qwen2/Qwen3; Qwen3.5 without rotary) and a fused
             vocabulary projection + log-prob (``models.liger``). ``auto``: when liger-kernel is

@@ -25,10 +25,12 @@ from tandem_lit.errors import LogprobGapError, NonFiniteGradientError
 from tandem_lit.evaluation.metrics import LogprobGap
 from tandem_lit.evaluation.results import RolloutResult
 from tandem_lit.models import liger
+from tandem_lit.models.varlen_attention import varlen_during
 from tandem_lit.objectives.base import Objective, ObjectiveInputs
 from tandem_lit.rollout.logprobs import completion_logprobs
 from tandem_lit.rollout.record import Rollout
 from tandem_lit.rollout.sampling import SamplingConfig
+from tandem_lit.rollout.weights import plain_model
 from tandem_lit.training.compute_weights import ComputeWeights, autocast_dtype
 from tandem_lit.training.distributed import all_reduce_sum, balance, full_value, max_over_ranks
 from tandem_lit.training.memory import OptimizerOffload, pack_by_tokens
@@ -131,7 +133,15 @@ class UpdatePhase:
 
     def run(self, result: RolloutResult, optimizer, device: torch.device, world: int = 1, step: int = 0) -> dict[str, float]:
         """The objective and the optimiser updates (one per mini-batch) on one batch of graded
-        rollouts; returns the update's metrics. ``step``: the optimiser updates so far (for errors)."""
+        rollouts; returns the update's metrics. ``step``: the optimiser updates so far (for errors).
+        Packed passes (``memory.pack_sequences``) run an ``sdpa`` senior's attention through the
+        variable-length flash kernel for the whole update (``models.varlen_attention``)."""
+        packed = self.memory.pack_sequences
+        models = [plain_model(m) for m in (self.senior, self.reference) if m is not None] if packed else []
+        with varlen_during(models, device):
+            return self._run(result, optimizer, device, world, step)
+
+    def _run(self, result: RolloutResult, optimizer, device: torch.device, world: int, step: int) -> dict[str, float]:
         clock = PhaseClock(device)
         rollout, group = result.rollout, result.group.to(device)
         rewards = result.rewards.to(device)
