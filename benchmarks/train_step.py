@@ -278,8 +278,8 @@ class LogprobRecorder:
         self.passes: list[dict] = []
         score = module.updates.sequence_logprobs
 
-        def recorded(model, rollout, temperature=None):
-            logp = score(model, rollout, temperature)
+        def recorded(model, rollout, temperature=None, lengths=None):
+            logp = score(model, rollout, temperature, lengths=lengths)
             self.passes.append({"prompt_ids": rollout.prompt_ids.cpu(), "prompt_mask": rollout.prompt_mask.cpu(),
                                 "completion_ids": rollout.completion_ids.cpu(), "author": rollout.author.cpu(),
                                 "engine_logprobs": None if rollout.senior_logprobs is None else rollout.senior_logprobs.float().cpu(),

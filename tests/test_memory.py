@@ -323,9 +323,9 @@ def test_forward_only_passes_match_the_busiest_rank(monkeypatch):
                       zeros.bool(), zeros.bool(), zeros, zeros, zeros, texts=["x"] * 4)
     passes = []
 
-    def counted(part):
+    def counted(part, lengths):
         passes.append(part.completion_ids.shape[0])
-        return module.updates.sequence_logprobs(module.senior, part)
+        return module.updates.sequence_logprobs(module.senior, part, lengths=lengths)
 
     alone = module.updates.logprobs_by_rows(rollout, torch.device("cpu"), counted)
     assert passes == [4]  # one process: the four rows fit one pass
@@ -352,9 +352,9 @@ def test_forward_only_passes_hold_forward_only_pass_scale_times_a_training_pass(
         module.configure_model()
         passes = []
 
-        def counted(part, module=module, passes=passes):
+        def counted(part, lengths, module=module, passes=passes):
             passes.append(part.completion_ids.shape[0])
-            return module.updates.sequence_logprobs(module.senior, part)
+            return module.updates.sequence_logprobs(module.senior, part, lengths=lengths)
 
         out[scale] = module.updates.logprobs_by_rows(rollout, torch.device("cpu"), counted)
         assert passes == [scale] * (8 // scale)

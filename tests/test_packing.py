@@ -143,6 +143,26 @@ def test_outside_packed_passes_the_varlen_attention_is_causal_sdpa():
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
 
 
+def test_a_packed_pass_laid_out_from_host_lengths_reads_nothing_back():
+    """On a GPU every read of a device value waits for the passes queued before it. Laid out from
+    the host's lengths (as the update does) and run through the varlen attention, a packed pass
+    reads nothing back; under sdpa's block mask transformers reads the position ids to find the
+    restarts. The log-probs are the same either way."""
+    from tests.test_training_features import CountingReads
+
+    vocab = 40
+    llama, rollout = model(vocab), ragged_rollout(vocab)
+    lengths = (list(PROMPTS), list(COMPLETIONS))
+    with CountingReads() as sdpa_reads:
+        expected = completion_logprobs(llama, rollout, TEMPERATURE, packed=True, lengths=lengths)
+    with varlen_attention.varlen_during([llama], torch.device("cpu")), CountingReads() as varlen_reads:
+        got = completion_logprobs(llama, rollout, TEMPERATURE, packed=True, lengths=lengths)
+    assert sdpa_reads.reads > 0 and varlen_reads.reads == 0
+    torch.testing.assert_close(got, expected, rtol=0, atol=2e-5)
+    # the lengths read from the device instead: the same layout
+    assert torch.equal(expected, completion_logprobs(llama, rollout, TEMPERATURE, packed=True))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_the_cuda_varlen_kernel_equals_the_block_masked_sdpa_in_bf16():
     """On a GPU: packed rows through PyTorch's variable-length flash kernel (grouped-query heads)

@@ -22,13 +22,13 @@ place of the chunks (``models.liger.liger_logprobs``): the same log-probs to bf1
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib.util
 import logging
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
@@ -201,56 +201,95 @@ def check_packable(model: nn.Module) -> None:
         )
 
 
-def packed_hidden_states(model: nn.Module, rollout: Rollout) -> Tensor:  # -> [C, H]
-    """The backbone's hidden states that predict each written completion token (C of them, in
-    the row-major order of ``rollout.completion_mask``), from one packed row of all sequences."""
+@dataclasses.dataclass(frozen=True)
+class PackedRows:
+    """Where each row's real tokens (its prompt, then its completion) sit in one packed row, built
+    on the host from the rows' lengths, so that packing reads nothing back from the device.
+
+    ``gather``: [L] flat indices into the rows' ``[prompt | completion]`` columns; ``positions``: [L],
+    restarting at 0 per sequence; ``predictors``: [C] the packed position whose hidden state
+    predicts each written completion token (row by row); ``written``: [C] those tokens' flat
+    indices into ``completion_ids``; ``bounds``: [N + 1] int32 cumulative sequence lengths."""
+
+    gather: Tensor
+    positions: Tensor
+    predictors: Tensor
+    written: Tensor
+    bounds: Tensor
+    longest: int
+
+    @classmethod
+    def of(cls, rollout: Rollout, lengths: tuple[list[int], list[int]] | None = None) -> PackedRows:
+        """``lengths``: each row's prompt and completion lengths (None: read from the device, once)."""
+        if lengths is None:
+            lengths = rollout.prompt_mask.sum(-1).tolist(), rollout.lengths.tolist()
+        prompt_width, width = rollout.prompt_ids.shape[1], rollout.completion_ids.shape[1]
+        gather, positions, predictors, written, bounds = [], [], [], [], [0]
+        for i, (prompt, completion) in enumerate(zip(*lengths)):
+            row = i * (prompt_width + width)
+            gather.extend(range(row + prompt_width - prompt, row + prompt_width + completion))
+            positions.extend(range(prompt + completion))
+            predictors.extend(range(bounds[-1] + prompt - 1, bounds[-1] + prompt - 1 + completion))
+            written.extend(range(i * width, i * width + completion))
+            bounds.append(bounds[-1] + prompt + completion)
+        device = rollout.completion_ids.device
+        longest = max((b - a for a, b in zip(bounds, bounds[1:])), default=0)
+        tensors = [to_device(torch.tensor(v, dtype=torch.long), device) for v in (gather, positions, predictors, written)]
+        return cls(*tensors, to_device(torch.tensor(bounds, dtype=torch.int32), device), longest)
+
+
+def to_device(host: Tensor, device: torch.device) -> Tensor:
+    """A host tensor on ``device`` without waiting for the stream (a pinned copy on CUDA)."""
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+
+
+def packed_hidden_states(model: nn.Module, rollout: Rollout, rows: PackedRows) -> Tensor:  # -> [C, H]
+    """The backbone's hidden states that predict each written completion token (C of them, row by
+    row), from one packed row of all sequences laid out as ``rows`` says."""
     check_packable(model)
-    written = rollout.completion_mask
-    ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], dim=1)
-    real = torch.cat([rollout.prompt_mask.bool(), written], dim=1)  # [N, P + T]
-    positions = real.long().cumsum(-1) - 1
-    # where each real token lands in the packed row; a completion token is predicted by the
-    # token before it, which is in the same sequence (every prompt has a token)
-    slots = (real.flatten().long().cumsum(0) - 1).view_as(real)
-    predictors = slots[:, rollout.prompt_ids.shape[1] :][written] - 1
+    ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], dim=1).reshape(-1)[rows.gather]
     forward = getattr(model, "completion_hidden", None) or functools.partial(last_hidden_state, model)
     boundaries = {}
     if uses_varlen(plain_model(model)):  # the sequences' bounds for the variable-length kernel (models.varlen_attention)
-        lengths = real.sum(-1)
-        cu = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
-        longest = int(lengths.max())
-        boundaries = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+        boundaries = dict(cu_seq_lens_q=rows.bounds, cu_seq_lens_k=rows.bounds, max_length_q=rows.longest,
+                          max_length_k=rows.longest)
     # no cache: transformers reads restarting position ids as packed sequences only without one
     # (masking_utils._preprocess_mask_arguments), and config.use_cache would make one
     with engine_matched_precision(model):
-        hidden = forward(input_ids=ids[real].unsqueeze(0), position_ids=positions[real].unsqueeze(0), use_cache=False,
+        hidden = forward(input_ids=ids.unsqueeze(0), position_ids=rows.positions.unsqueeze(0), use_cache=False,
                          **boundaries)
-    return hidden[0, predictors]
+    return hidden[0, rows.predictors]
 
 
 def completion_logprobs(
     model: nn.Module, rollout: Rollout, temperature: float, packed: bool = False, fused: bool = False,
-    vocab: int | None = None,
+    vocab: int | None = None, lengths: tuple[list[int], list[int]] | None = None,
 ) -> Tensor:  # -> [N, T]
     """log p(token_t | prompt, tokens_<t) of every completion token, logits divided by
     ``temperature`` (if > 0). Padding positions get some value (0 when ``packed``); callers mask
     them. ``packed``: one forward over the concatenated sequences; ``fused``: Liger's fused head
     (module docstring). ``vocab``: normalise over the head's first ``vocab`` logits only, the
-    tokens the engine samples from (``RolloutEngine.sampled_vocab``); None: all of them."""
+    tokens the engine samples from (``RolloutEngine.sampled_vocab``); None: all of them.
+    ``lengths``: with ``packed``, each row's prompt and completion lengths as the host knows them
+    (None: read once from the device)."""
     causal_lm = plain_model(model)
     head = causal_lm.get_output_embeddings()
     kept = None if vocab is None or vocab >= head.weight.shape[0] else vocab
     softcap = getattr(causal_lm.config, "final_logit_softcapping", None)
     completion = rollout.completion_ids
     if packed:  # the written tokens as one row: no logits for padding either
-        written = rollout.completion_mask
-        hidden, completion = packed_hidden_states(model, rollout).unsqueeze(0), completion[written].unsqueeze(0)
+        rows = PackedRows.of(rollout, lengths)
+        hidden = packed_hidden_states(model, rollout, rows).unsqueeze(0)
+        completion = completion.reshape(-1)[rows.written].unsqueeze(0)
+
+        def unpacked(logp: Tensor) -> Tensor:  # [1, C] -> [N, T], 0 at padding
+            return logp.new_zeros(rollout.completion_ids.numel()).index_copy(0, rows.written, logp[0]).view_as(rollout.completion_ids)
     else:
         hidden = completion_hidden_states(model, rollout)
     width = completion.shape[1]
     if fused:
         logp = liger_logprobs(hidden, head.weight, completion, temperature, CHUNK_ELEMENTS, vocab=kept)
-        return logp.new_zeros(written.shape).masked_scatter(written, logp[0]) if packed else logp
+        return unpacked(logp) if packed else logp
 
     def chunk_logprobs(h: Tensor, targets: Tensor) -> Tensor:
         logits = head(h)[..., :kept].float()
@@ -269,9 +308,7 @@ def completion_logprobs(
         else:
             parts.append(chunk_logprobs(h, targets))
     logp = torch.cat(parts, dim=1) if parts else hidden.new_zeros(completion.shape, dtype=torch.float32)
-    if packed:
-        return logp.new_zeros(written.shape).masked_scatter(written, logp[0])
-    return logp
+    return unpacked(logp) if packed else logp
 
 
 @torch.no_grad()

@@ -98,6 +98,10 @@ class HostRows:
         width = max(max(self.completion[i] for i in rows), 1)
         return rollout.select(micro, rows).trimmed(first, width)
 
+    def lengths(self, rows: list[int]) -> tuple[list[int], list[int]]:
+        """The prompt and completion lengths of ``rows`` (what a packed pass is laid out by)."""
+        return [self.prompt[i] for i in rows], [self.completion[i] for i in rows]
+
 
 class UpdatePhase:
     """Optimiser updates of the senior from one batch of graded rollouts.
@@ -186,7 +190,7 @@ class UpdatePhase:
                     micro = row_index(pass_rows, device)
                     part = host.trimmed(rollout, micro, pass_rows)
                     width = part.completion_ids.shape[1]
-                    logp = self.sequence_logprobs(self.senior, part)
+                    logp = self.sequence_logprobs(self.senior, part, lengths=host.lengths(pass_rows))
                     if old_logp is None or index == 0:
                         gap.add(logp, part.senior_logprobs, part.author)
                     old = None
@@ -306,7 +310,8 @@ class UpdatePhase:
 
     # ------------------------------------------------------------------------------ log-probs
 
-    def sequence_logprobs(self, model: nn.Module, rollout: Rollout, temperature: float | None = None) -> Tensor:  # -> [N, T]
+    def sequence_logprobs(self, model: nn.Module, rollout: Rollout, temperature: float | None = None,
+                          lengths: tuple[list[int], list[int]] | None = None) -> Tensor:  # -> [N, T]
         """Log-probs of the completion tokens under ``model`` (teacher-forced, one forward).
 
         Logits are divided by the sampling temperature, as the sampler drew from that
@@ -314,31 +319,35 @@ class UpdatePhase:
         ``memory.pack_sequences``: the rows run packed into one row (``rollout.logprobs``);
         ``fused_logprobs``: through Liger's fused head, for the senior and its reference alike.
         Normalised over the engine's sampled vocabulary (``vocab``), as the engine's own log-probs.
+        ``lengths``: the rows' prompt and completion lengths on the host (``HostRows.lengths``), which
+        a packed pass is laid out by without reading the device.
         """
         temperature = self.sampling.temperature if temperature is None else temperature
         return completion_logprobs(model, rollout, temperature, packed=self.memory.pack_sequences, fused=self.fused_logprobs,
-                                   vocab=self.vocab)
+                                   vocab=self.vocab, lengths=lengths)
 
     @torch.no_grad()
     def behaviour_logprobs(self, rollout: Rollout, device: torch.device, rows: list[int] | None = None,
                            world: int = 1, host: HostRows | None = None) -> Tensor:  # -> [N, T]
         """Senior log-probs before any update of this step (the ratio's denominator), of ``rows``
         (None: all; other rows stay 0)."""
-        return self.logprobs_by_rows(rollout, device, lambda part: self.sequence_logprobs(self.senior, part), rows, world, host)
+        return self.logprobs_by_rows(rollout, device, lambda part, lengths: self.sequence_logprobs(self.senior, part, lengths=lengths),
+                                     rows, world, host)
 
     @torch.no_grad()
     def reference_logprobs(self, rollout: Rollout, device: torch.device, world: int = 1,
                            host: HostRows | None = None) -> Tensor:  # -> [N, T]
         """Log-probs under the reference policy: the initial senior (LoRA disabled, or a frozen copy)."""
         if self.reference is not None:
-            return self.logprobs_by_rows(rollout, device, lambda part: self.sequence_logprobs(self.reference, part),
+            return self.logprobs_by_rows(rollout, device, lambda part, lengths: self.sequence_logprobs(self.reference, part, lengths=lengths),
                                          world=world, host=host)
         with self.senior.disable_adapter():
-            return self.logprobs_by_rows(rollout, device, lambda part: self.sequence_logprobs(self.senior, part),
+            return self.logprobs_by_rows(rollout, device, lambda part, lengths: self.sequence_logprobs(self.senior, part, lengths=lengths),
                                          world=world, host=host)
 
     def logprobs_by_rows(
-        self, rollout: Rollout, device: torch.device, logprobs: Callable[[Rollout], Tensor], rows: list[int] | None = None,
+        self, rollout: Rollout, device: torch.device, logprobs: Callable[[Rollout, tuple[list[int], list[int]]], Tensor],
+        rows: list[int] | None = None,
         world: int = 1, host: HostRows | None = None,
     ) -> Tensor:  # -> [N, T]
         """``logprobs`` of ``rows`` (None: the whole batch) in forward-only passes
@@ -350,7 +359,7 @@ class UpdatePhase:
         out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32, device=device)
         for pass_rows in self.passes(host, rows, world, scale=self.memory.forward_only_pass_scale):
             micro = row_index(pass_rows, device)
-            part = logprobs(host.trimmed(rollout, micro, pass_rows))
+            part = logprobs(host.trimmed(rollout, micro, pass_rows), host.lengths(pass_rows))
             out[micro, : part.shape[1]] = part.float()
         return out
 
