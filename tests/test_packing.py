@@ -341,3 +341,15 @@ def test_a_senior_that_cannot_pack_is_refused_before_the_first_step():
     with pytest.raises(ConfigError, match="memory.pack_sequences"):
         preflight.check(module, "fit")
     preflight.check(module, "validate")  # evaluation never packs
+
+
+def test_the_flash_kernel_sees_queries_in_autocasts_dtype():
+    """The rotary embedding hands attention float32 queries under autocast (its cos/sin follow the
+    float32 residual stream); SDPA casts them itself, the varlen kernel needs them cast: to autocast's
+    dtype, and with no autocast a float32 query has no flash kernel (the per-sequence loop runs)."""
+    query = torch.zeros(3, 2, 8)
+    assert varlen_attention.flash_dtype(query) is None
+    assert varlen_attention.flash_dtype(query.half()) is torch.float16
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert varlen_attention.flash_dtype(query) is torch.bfloat16
+        assert varlen_attention.flash_dtype(query.half()) is torch.float16

@@ -70,6 +70,30 @@ def _cuda_varlen(query: Tensor, key: Tensor, value: Tensor, cu: Tensor, longest:
     return kernel(query, key, value, cu, cu, longest, longest, **kwargs)
 
 
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def flash_dtype(query: Tensor) -> torch.dtype | None:
+    """The dtype the flash kernel should see ``query`` in, or None where it cannot run it.
+
+    Under autocast the rotary embedding hands attention float32 queries (its cos/sin follow the
+    float32 residual stream); SDPA is on autocast's low-precision list and casts them, a custom op
+    like ``varlen_attn`` is not, so the cast is made here, to autocast's dtype. Float32 without
+    autocast has no flash kernel."""
+    if query.dtype in FLASH_DTYPES:
+        return query.dtype
+    if torch.is_autocast_enabled(query.device.type):
+        dtype = torch.get_autocast_dtype(query.device.type)
+        return dtype if dtype in FLASH_DTYPES else None
+    return None
+
+
+@functools.cache
+def _log_float32_once() -> None:
+    log.warning("packed attention in float32 without autocast has no flash kernel: "
+                "one causal SDPA call per sequence instead (same result, slower)")
+
+
 def _reference_varlen(query: Tensor, key: Tensor, value: Tensor, cu: Tensor, scaling: float) -> Tensor:
     """The same as ``_cuda_varlen`` as one causal SDPA call per sequence (the CPU's path)."""
     bounds = cu.tolist()
@@ -93,9 +117,13 @@ def varlen_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tenso
         raise ValueError("packed sequences must come as one row with no attention mask")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))  # [T, heads, D]
-    if q.is_cuda:
+    dtype = flash_dtype(q) if q.is_cuda else None
+    if dtype is not None:
+        q, k, v = (x.to(dtype) for x in (q, k, v))
         out = _cuda_varlen(q, k, v, cu, int(kwargs["max_length_q"]), scaling)
     else:
+        if q.is_cuda:
+            _log_float32_once()
         out = _reference_varlen(q, k, v, cu, scaling)
     return out.unsqueeze(0), None
 
