@@ -18,6 +18,7 @@ from tandem_lit.training.memory import (
     GIB,
     LOGIT_CHUNK_BYTES,
     MemoryBudgetError,
+    MemoryEstimate,
     ModelShape,
     StepSettings,
     estimate_step_memory,
@@ -159,6 +160,23 @@ def test_a_step_that_cannot_fit_names_the_settings_to_change():
     assert "NVIDIA H200 has 141 GiB" in message and "KV caches" in message
     assert "rollout_batch_size" in message and "gradient_checkpointing" in message
     estimate_step_memory(QWEN3_4B, None, StepSettings(**{**vars(settings), "rollout_sequences": 16, "micro_batch_tokens": 8048})).check(141 * GIB)
+
+
+def test_the_fixes_named_are_those_that_shrink_a_part_the_step_has():
+    """A LoRA step (its optimizer state and gradients a few MiB) is not told to train LoRA adapters,
+    nor to offload an optimizer state the rollout does not hold (the H100 refusal of 2026-12-05)."""
+    kv = {"KV caches": 88 * GIB, "senior weights": 15 * GIB}
+    lora = MemoryEstimate(rollout=dict(kv), update={"activations": 27 * GIB, "optimizer state": GIB // 5, "gradients": GIB // 10})
+    full = MemoryEstimate(rollout={**kv, "optimizer state": 30 * GIB},
+                          update={"activations": 27 * GIB, "optimizer state": 30 * GIB, "gradients": 15 * GIB})
+    messages = {}
+    for name, estimate in (("lora", lora), ("full", full)):
+        with pytest.raises(MemoryBudgetError) as err:
+            estimate.check(79 * GIB, "an H100")
+        messages[name] = str(err.value)
+    assert "rollout_batch_size" in messages["lora"] and "kv_cache_gib" in messages["lora"]
+    assert "LoRA" not in messages["lora"] and "offload_optimizer" not in messages["lora"]
+    assert "train LoRA adapters" in messages["full"] and "offload_optimizer: true" in messages["full"]
 
 
 def test_the_module_estimate_reads_its_models_and_settings():

@@ -175,13 +175,17 @@ class MemoryEstimate:
         if self.peak <= capacity:
             return
         rollout, update = sum(self.rollout.values()), sum(self.update.values())
+        # Only the fixes that shrink a part this step has: a LoRA run is not told to train LoRA adapters.
+        trained_state = self.update.get("optimizer state", 0) + self.update.get("gradients", 0)
+        lora = ", or train LoRA adapters" if trained_state > GIB else ""
         fixes = []
         if rollout > capacity:
-            fixes.append("lower rollout_batch_size (KV caches grow with it), set offload_optimizer: true, or train LoRA adapters")
+            offload = ", set offload_optimizer: true" if self.rollout.get("optimizer state", 0) > GIB else ""
+            fixes.append(f"lower rollout_batch_size or engine.kv_cache_gib (KV caches grow with them){offload}{lora}")
         if update > capacity:
-            fixes.append("lower micro_batch_tokens / micro_batch_size, set gradient_checkpointing: true, or train LoRA adapters")
+            fixes.append(f"lower micro_batch_tokens / micro_batch_size, set gradient_checkpointing: true{lora}")
         if sum(self.sync.values()) > capacity:
-            fixes.append("the weight sync gathers the whole senior: set offload_optimizer: true, train LoRA adapters, or shard over more GPUs")
+            fixes.append(f"the weight sync gathers the whole senior: set offload_optimizer: true{lora}, or shard over more GPUs")
         raise MemoryBudgetError(
             f"a training step needs about {self.peak / GIB:.0f} GiB, {device} has {capacity / GIB:.0f} GiB: "
             f"{self.table()}. To fit: {'; '.join(fixes)} (or memory.check: false to try anyway)"
