@@ -35,6 +35,7 @@ import argparse
 import copy
 import gc
 import json
+import math
 import os
 import shutil
 import sys
@@ -235,12 +236,20 @@ def flop_shape(model) -> dict:
     lm = plain_model(model)
     params = {id(p): p for p in lm.parameters()}
     embed, head = lm.get_input_embeddings().weight, lm.get_output_embeddings().weight
-    body = sum(p.numel() for p in params.values()) - embed.numel() - (head.numel() if id(head) != id(embed) else 0)
+    total = sum(logical_numel(p) for p in params.values())
+    body = total - embed.numel() - (head.numel() if id(head) != id(embed) else 0)
     shape = ModelShape.of(model)
     kinds = list(getattr(lm.config, "layer_types", None) or [])
     full_layers = sum(kind != "linear_attention" for kind in kinds) if kinds else shape.layers
     return {"body_params": body, "head_params": head.numel(), "attention_width": full_layers * shape.q_width,
-            "trainable_share": shape.trainable / shape.params}
+            "trainable_share": shape.trainable / total}
+
+
+def logical_numel(param) -> int:
+    """The weights a parameter stands for: a bitsandbytes 4-bit weight stores two per byte (its
+    ``numel`` is half the matrix's) and keeps the matrix's shape in its ``quant_state``."""
+    shape = getattr(getattr(param, "quant_state", None), "shape", None)
+    return math.prod(shape) if shape is not None else param.numel()
 
 
 class UpdateShapes:

@@ -180,6 +180,22 @@ def test_update_flops_by_hand():
     assert update_flops(10, 6, 2, 0.0, [3, 1], [2, 4], [1]) == 544 + 600 + 248
 
 
+def test_a_4bit_weight_counts_as_the_matrix_it_stands_for():
+    """bitsandbytes packs two 4-bit weights a byte (a [n m / 2, 1] uint8 tensor) and keeps the matrix's
+    shape in the parameter's ``quant_state``: the FLOP count takes that shape (the QLoRA MFU of
+    2026-12-05 was counted from the packed size, half the decoder)."""
+    import types
+
+    import torch
+
+    from benchmarks.train_step import logical_numel
+
+    packed = torch.nn.Parameter(torch.zeros(48, 1, dtype=torch.uint8), requires_grad=False)
+    packed.quant_state = types.SimpleNamespace(shape=torch.Size([8, 12]))
+    assert logical_numel(packed) == 96
+    assert logical_numel(torch.nn.Parameter(torch.zeros(8, 12))) == 96
+
+
 def test_train_step_estimate_only_sizes_a_paged_pool_as_an_h200_would(repo_root, tmp_path):
     """--estimate-only with --kv-cache paged: the pool gets what an H200 has free beside the rest of
     the rollout phase (as fit start sizes it), or --kv-cache-gib; shapes only, no weights."""
