@@ -44,6 +44,13 @@ def varlen_kernel():
     return varlen_attn
 
 
+@functools.cache
+def _kernel_parameters() -> frozenset[str]:
+    """The varlen kernel's keyword names (they changed between torch releases), read once: every
+    attention layer of every packed pass asks."""
+    return frozenset(inspect.signature(varlen_kernel()).parameters)
+
+
 def available(device: torch.device) -> bool:
     """Whether packed passes on ``device`` can run ``VARLEN`` (CUDA: PyTorch's varlen kernel; the CPU: its loop)."""
     return device.type == "cpu" or (device.type == "cuda" and varlen_kernel() is not None)
@@ -51,8 +58,7 @@ def available(device: torch.device) -> bool:
 
 def _cuda_varlen(query: Tensor, key: Tensor, value: Tensor, cu: Tensor, longest: int, scaling: float) -> Tensor:
     """[T, H, D] queries, [T, KV, D] keys and values -> [T, H, D], causal within each sequence."""
-    kernel = varlen_kernel()
-    params = inspect.signature(kernel).parameters
+    kernel, params = varlen_kernel(), _kernel_parameters()
     kwargs = {}
     if "window_size" in params:  # torch >= 2.12: causal is window (-1, 0)
         kwargs["window_size"] = (-1, 0)
