@@ -82,6 +82,16 @@ for name in "$@"; do
     # issue 24: FastEngine's GPU tests (CUDA graphs, Triton kernels, paged pool with preemption and resumption) (~2 min)
     gpu-tests) stage "$name" 300 python3 -m pytest -q -p no:cacheprovider tests/test_continuous_batching.py tests/test_fast_engine.py \
       tests/test_hybrid_engine.py -k "cuda or gpu or triton or graph or stream";;
+    # issue 24: Qwen3.5 9B/2B solo, a step's 128 lognormal rollouts at 64 at once: refills prefilled
+    # beside the next decode chunk vs waited for, and the static engine, same run (~7 min)
+    q35-overlap-solo) stage "$name" 560 python3 benchmarks/rollout.py --device cuda --models qwen35-9b-2b --batches 64 \
+      --queue 2 --lengths "$LOGNORMAL" --policies solo --overlap-prefill on off --json "$OUT/$name.json";;
+    # the same for tandem (9B + 2B, word p=0.5) (~8 min)
+    q35-overlap-tandem) stage "$name" 560 python3 benchmarks/rollout.py --device cuda --models qwen35-9b-2b --batches 64 \
+      --queue 2 --lengths "$LOGNORMAL" --policies tandem --overlap-prefill on off --json "$OUT/$name.json";;
+    # the 9B config as written: rollout.batch_size 32, the step's 128 rollouts a queue of 4 (~9 min)
+    q35-config-solo) stage "$name" 560 python3 benchmarks/rollout.py --device cuda --models qwen35-9b-2b --batches 32 \
+      --queue 4 --lengths "$LOGNORMAL" --policies solo --json "$OUT/$name.json";;
     *) echo "unknown stage $name (see the case list in $0)"; exit 2;;
   esac
 done

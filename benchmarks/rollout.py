@@ -337,17 +337,19 @@ def useful_rows(args, part: str) -> list[dict]:
             for layout in args.kv_cache:
                 set_kv_layout(engine, layout, args.kv_cache_gib)
                 for refill in args.refill:
-                    engine.refill = refill
-                    reset_peak_memory(device)
-                    seconds, out = timed(lambda p, policy=policy: engine.generate(p, policy, sampling), prompts, device, repeats)
-                    keep(row(continuous_name(layout, refill, policy_name), seconds, out,
-                             {**engine.last_timing(), **peak_memory(device)}))
+                    for overlap in args.overlap_prefill:
+                        engine.refill, engine.overlap_prefill = refill, overlap
+                        reset_peak_memory(device)
+                        seconds, out = timed(lambda p, policy=policy: engine.generate(p, policy, sampling), prompts, device, repeats)
+                        keep(row(continuous_name(layout, refill, policy_name, overlap), seconds, out,
+                                 {**engine.last_timing(), **peak_memory(device)}))
         engine.release()  # the next batch size sizes its own caches
     return rows
 
 
-def continuous_name(layout: str, refill: str, policy: str) -> str:
-    return f"FastEngine continuous{' paged' if layout == 'paged' else ''}{' eager refill' if refill == 'eager' else ''}, {policy}"
+def continuous_name(layout: str, refill: str, policy: str, overlap: str = "on") -> str:
+    return (f"FastEngine continuous{' paged' if layout == 'paged' else ''}{' eager refill' if refill == 'eager' else ''}"
+            f"{' waiting prefill' if overlap == 'off' else ''}, {policy}")
 
 
 def set_kv_layout(engine: FastEngine, layout: str, gib: float | None) -> None:
@@ -410,7 +412,7 @@ def useful_main(args) -> None:
 
     batch = rows[0]["batch"]
     layout = "slots" if "slots" in args.kv_cache else "paged"
-    continuous = continuous_name(layout, args.refill[0], "")[:-2]
+    continuous = continuous_name(layout, args.refill[0], "", args.overlap_prefill[0])[:-2]
     parts = []
     suffix = {"tandem": "", "solo": "_solo"}
     if not args.skip_static:
@@ -421,14 +423,20 @@ def useful_main(args) -> None:
     if set(args.kv_cache) == {"slots", "paged"}:  # every batch size: the layouts' throughput, same run
         for b in sorted({r["batch"] for r in rows}):
             for policy in [p for p in ("tandem", "solo") if p in args.policies]:
-                ratio = (rate(continuous_name("paged", args.refill[0], policy), b)
-                         / rate(continuous_name("slots", args.refill[0], policy), b))
+                ratio = (rate(continuous_name("paged", args.refill[0], policy, args.overlap_prefill[0]), b)
+                         / rate(continuous_name("slots", args.refill[0], policy, args.overlap_prefill[0]), b))
                 parts.append(f"paged_over_slots{'' if policy == 'tandem' else '_solo'}_b{b}={ratio:.3f}")
+    if set(args.overlap_prefill) == {"on", "off"}:  # prefills beside decode chunks vs waited for, same run
+        for b in sorted({r["batch"] for r in rows}):
+            for policy in [p for p in ("tandem", "solo") if p in args.policies]:
+                ratio = (rate(continuous_name(layout, args.refill[0], policy, "on"), b)
+                         / rate(continuous_name(layout, args.refill[0], policy, "off"), b))
+                parts.append(f"overlapped_over_waiting_prefill{'' if policy == 'tandem' else '_solo'}_b{b}={ratio:.3f}")
     if set(args.refill) == {"amortized", "eager"}:  # the refill timer's worth, same run
         for b in sorted({r["batch"] for r in rows}):
             for policy in [p for p in ("tandem", "solo") if p in args.policies]:
-                ratio = (rate(continuous_name(layout, "amortized", policy), b)
-                         / rate(continuous_name(layout, "eager", policy), b))
+                ratio = (rate(continuous_name(layout, "amortized", policy, args.overlap_prefill[0]), b)
+                         / rate(continuous_name(layout, "eager", policy, args.overlap_prefill[0]), b))
                 parts.append(f"amortized_over_eager_refill{'' if policy == 'tandem' else '_solo'}_b{b}={ratio:.3f}")
     print(" ".join(parts))
 
@@ -464,6 +472,9 @@ def main() -> None:
                         help="size of the paged pool (default: as large as the slot caches, so nothing is preempted)")
     parser.add_argument("--refill", nargs="+", choices=["amortized", "eager"], default=["amortized"],
                         help="FastEngine(refill=...): continuous rows for each (the first sets the ratios' row)")
+    parser.add_argument("--overlap-prefill", nargs="+", choices=["on", "off"], default=["on" if torch.cuda.is_available() else "off"],
+                        help="FastEngine(overlap_prefill=...): refills prefilled beside the next decode chunk, or "
+                             "waited for; continuous rows for each (the first sets the ratios' row)")
     parser.add_argument("--policies", nargs="+", choices=["solo", "tandem"], default=["solo", "tandem"],
                         help="with --lengths: the continuous/static rows of these (the ratios need both)")
     parser.add_argument("--skip-static", action="store_true", help="with --lengths: leave out the static-batch rows")

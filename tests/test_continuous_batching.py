@@ -9,6 +9,8 @@ so a sequence depends on its own seed only, never on its slot or its neighbours.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -143,15 +145,26 @@ def three_engines(senior, junior, tokenizer):
 
 
 def check_queue(engines, prompts, policy, sampling, compacts=True):
-    """``compacts``: the schedule must end in a compaction (with preemptions it may end with
-    every row finishing in one chunk instead)."""
+    """The continuous engine twice: refills prefilled beside the next decode chunk (the default,
+    admitted a chunk later), then with the decode waiting for each refill (``last_timing`` is that
+    run's). ``compacts``: the waiting schedule must end in a compaction (with preemptions it may
+    end with every row finishing in one chunk instead)."""
     reference, static, continuous = engines
     want = reference.generate(prompts, policy, sampling)
     assert_same(static.generate(prompts, policy, sampling), want)
+    continuous.overlap_prefill = "on"  # on the CPU too: admissions deferred by a chunk
     got = continuous.generate(prompts, policy, sampling)
     assert_same(got, want)
+    beside = continuous.last_timing()
+    assert beside["refills"] > 0 and beside["prefill_beside_s"] > 0  # refills ran beside a chunk
+    continuous.overlap_prefill = "off"
+    try:
+        assert_same(continuous.generate(prompts, policy, sampling), want)
+    finally:
+        continuous.overlap_prefill = "auto"
     timing = continuous.last_timing()
     assert timing["refills"] > 0 and (timing["compactions"] > 0 or not compacts)  # slots were reused and rows moved
+    assert timing["prefill_beside_s"] == 0
     assert 0 < timing["busy_slot_fraction"] <= 1
     return got
 
@@ -274,17 +287,21 @@ def test_continuous_batching_on_cuda_graphs_and_triton_kernels_equals_all_at_onc
     for engine in (together, queued):
         engine.setup(senior, junior, tokenizer)
     prompts = queue_batch(tokenizer, JUNIOR_PROMPTS).to("cuda")
-    for policy in (SoloHandoff("senior"), WordHandoff(p=0.5)):
-        for sampling in (GREEDY, SAMPLED):
-            want = together.generate(prompts, policy, sampling)
-            got = queued.generate(prompts, policy, sampling)
-            assert queued.last_timing()["refills"] > 0 and queued.last_timing()["compactions"] > 0
-            # float32 GEMMs of other batch sizes round differently: a rare near-tie may break the
-            # other way and change the rest of that row, so rows are compared whole, and most must match
-            same = [i for i in range(len(want.texts)) if torch.equal(got.completion_ids[i], want.completion_ids[i])]
-            assert len(same) >= len(want.texts) - 1, f"only rows {same} match"
-            assert torch.equal(got.author[same], want.author[same]) and torch.equal(got.finished[same], want.finished[same])
-            torch.testing.assert_close(got.senior_logprobs[same], want.senior_logprobs[same], rtol=1e-3, atol=1e-3)
+    for policy, sampling, overlap in itertools.product((SoloHandoff("senior"), WordHandoff(p=0.5)), (GREEDY, SAMPLED),
+                                                        ("on", "off")):
+        # refills prefilled on the prefill stream beside a chunk (on), or waited for (off)
+        queued.overlap_prefill = overlap
+        want = together.generate(prompts, policy, sampling)
+        got = queued.generate(prompts, policy, sampling)
+        timing = queued.last_timing()
+        assert timing["refills"] > 0 and (timing["prefill_beside_s"] > 0) == (overlap == "on")
+        assert timing["compactions"] > 0 or overlap == "on"
+        # float32 GEMMs of other batch sizes round differently: a rare near-tie may break the
+        # other way and change the rest of that row, so rows are compared whole, and most must match
+        same = [i for i in range(len(want.texts)) if torch.equal(got.completion_ids[i], want.completion_ids[i])]
+        assert len(same) >= len(want.texts) - 1, f"only rows {same} match"
+        assert torch.equal(got.author[same], want.author[same]) and torch.equal(got.finished[same], want.finished[same])
+        torch.testing.assert_close(got.senior_logprobs[same], want.senior_logprobs[same], rtol=1e-3, atol=1e-3)
 
 
 # ------------------------------------------------------------------------------- paged KV cache

@@ -14,7 +14,11 @@ kernel launch gaps, host syncs. So:
   degenerate case: every row admitted at once, compaction only.
 - Prefill runs the models' own Hugging Face decoder stack over the admitted prompts (left-padded
   among themselves); its keys/values (and Qwen3.5's linear-attention states) are copied into the
-  freed rows of preallocated static caches.
+  freed rows of preallocated static caches. A refill's prefill (on CUDA) runs on its own stream
+  beside the next decode chunk, which the live rows decode meanwhile: at a few prompts a prefill
+  is thousands of small kernel launches (Qwen3.5's Hugging Face stack: ~0.1 s for the 9B), so
+  the host issues them while the GPU decodes instead of the GPU waiting for the host. Its copy
+  into the freed rows waits for that chunk, and the admitted rows decode from the chunk after.
 - KV layout (``kv_cache``): ``slots`` gives every decode row its own cache of prompt + cap
   positions, so memory is rows x (prompt + cap) whatever the sequences use, and compaction copies
   cache rows. ``paged`` keeps one pool of fixed-size pages per layer and model and one block
@@ -44,9 +48,11 @@ kernel launch gaps, host syncs. So:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from dataclasses import astuple
+from collections.abc import Iterator
+from dataclasses import astuple, dataclass, field
 from typing import Literal
 
 import torch
@@ -179,6 +185,11 @@ class FastEngine(RolloutEngine):
             (widest prompt + ``max_new_tokens``), so nothing is ever preempted.
         kv_cache_gib: The paged pool's size in GiB instead (both models' K/V; not Qwen3.5's per-row
             linear-attention states).
+        overlap_prefill: ``on``: a refill's prefill runs beside the next decode chunk (on CUDA its
+            forwards on a second stream), its sequences decoding from the chunk after; ``off``:
+            the decode waits for every refill; ``auto`` (default): on on CUDA, off elsewhere (on
+            the CPU nothing overlaps: ``on`` only defers admissions, as the CPU tests check).
+            Speed only, as ``refill``.
         prefill_tokens: Padded positions one prefill call holds at most (rows x the longest):
             an admission of more runs as several prefills (resumed sequences prefill their
             responses too, thousands of positions each).
@@ -202,6 +213,7 @@ class FastEngine(RolloutEngine):
         kv_cache_gib: float | None = None,
         refill: Literal["amortized", "eager"] = "amortized",
         prefill_tokens: int = 16384,
+        overlap_prefill: Literal["auto", "on", "off"] = "auto",
     ):
         if refill not in ("amortized", "eager"):
             raise ConfigError(f"refill must be 'amortized' or 'eager', got {refill!r}")
@@ -209,6 +221,9 @@ class FastEngine(RolloutEngine):
         if kv_block < 1 or check_every < 1 or prefill_tokens < 1:
             raise ConfigError("kv_block, check_every and prefill_tokens must be >= 1")
         self.prefill_tokens = prefill_tokens
+        if overlap_prefill not in ("auto", "on", "off"):
+            raise ConfigError(f"overlap_prefill must be 'auto', 'on' or 'off', got {overlap_prefill!r}")
+        self.overlap_prefill = overlap_prefill
         check_kv_cache(kv_cache, kv_page_size, kv_cache_tokens, kv_cache_gib)
         self.kv_cache, self.kv_page_size = kv_cache, kv_page_size
         self.kv_cache_tokens, self.kv_cache_gib = kv_cache_tokens, kv_cache_gib
@@ -238,6 +253,7 @@ class FastEngine(RolloutEngine):
         self._pool = None
         self._weights_at_capture: dict[str, int] = {}
         self._side_stream: torch.cuda.Stream | None = None  # created on the first overlapped step
+        self._prefill_stream: torch.cuda.Stream | None = None  # created on the first overlapped refill
         self._last_run: _Run | None = None
         device = self.models["senior"].device
         if self.kernels == "triton" and device.type != "cuda":
@@ -434,6 +450,8 @@ class FastEngine(RolloutEngine):
             self._admit(run, prompts, budgets, active)
             run.timer.free = run.table.batch - len(run.table.live)  # a paged pool may admit fewer
             synced = time.perf_counter()
+            refill_beside = False  # a refill decided after the last chunk, prefilled beside this one
+            overlaps_prefill = self.overlap_prefill == "on" or (self.overlap_prefill == "auto" and device.type == "cuda")
             while True:
                 view = decoder.narrow(run.table.batch)
                 steps = min(self.check_every, run.table.steps_left())
@@ -441,6 +459,7 @@ class FastEngine(RolloutEngine):
                     self._reserve(run, steps)
                     steps = min(steps, run.table.steps_left())
                 needed = run.table.kv_needed()  # host bookkeeping once per chunk, not per step
+                run.chunk_start = self._event()  # what a prefill beside this chunk may read is done by then
                 for i in range(steps):
                     kv_len = self._kv_len(needed + i)
                     if use_graphs:
@@ -450,7 +469,12 @@ class FastEngine(RolloutEngine):
                 run.table.advance(steps)
                 run.steps += steps
                 run.slot_steps += steps * run.table.batch
+                if refill_beside:  # the chunk is queued on the device: issue the prefill meanwhile
+                    self._admit(run, prompts, budgets, active, beside_chunk=steps > 0)
+                    run.timer.free = run.table.batch - len(run.table.live)
+                    refill_beside = False
                 finished = decoder.state.finished[: run.table.batch].tolist()  # the host sync
+                run.in_flight.clear()  # the device is done with every staged prefill
                 synced = self._time_chunk(run, steps, synced)
                 slots, sequences = run.table.retire(finished)
                 if slots:
@@ -462,7 +486,10 @@ class FastEngine(RolloutEngine):
                 if run.table.queue:
                     live = len(run.table.live)
                     if run.timer.due(run.table.batch - live, len(run.table.queue), live):
-                        self._admit(run, prompts, budgets, active)
+                        if overlaps_prefill and live:
+                            refill_beside = True  # admitted behind the next chunk
+                        else:
+                            self._admit(run, prompts, budgets, active)
                     run.timer.free = run.table.batch - len(run.table.live)
                 elif not run.table.live:
                     break
@@ -509,67 +536,112 @@ class FastEngine(RolloutEngine):
         pages = run.table.pages
         run.peak_pages = max(run.peak_pages, pages.usable - len(pages.free))
 
-    def _admit(self, run: _Run, prompts: PromptBatch, budgets: Tensor, active: list[str]) -> None:
+    def _admit(self, run: _Run, prompts: PromptBatch, budgets: Tensor, active: list[str],
+               beside_chunk: bool = False) -> None:
         """Refill free slots from the queue: prefills of both models over the admitted prompts
         (left-padded among themselves, at most ``prefill_tokens`` padded positions a prefill),
-        their caches copied into the freed rows."""
+        their caches copied into the freed rows. ``beside_chunk``: a decode chunk is queued on the
+        device; on CUDA the prefills' forwards then run on the prefill stream beside it (they read
+        weights and prompts only) and only their copies into the rows wait for it."""
         slots, sequences = run.table.admit()
         if not slots:
             return
         run.timer.refilled()
-        run.prefills.append(self._event())
+        stream = self._prefill_side() if beside_chunk and self._batch.slot.is_cuda else None
+        if stream is not None:
+            stream.wait_event(run.chunk_start)
+        marks = run.beside if beside_chunk else run.prefills  # start/end of this refill's prefills
+        with _on(stream):
+            marks.append(self._event())
         starts = [run.table.start_tokens(s) if isinstance(run.table, PagedSlotTable) else 0 for s in sequences]
-        for part in prefill_parts(starts, self.prefill_tokens):
-            self._prefill(run, prompts, budgets, active, [slots[i] for i in part], [sequences[i] for i in part])
-        run.prefills.append(self._event())
+        parts = prefill_parts(starts, self.prefill_tokens)
+        for n, part in enumerate(parts):
+            with _on(stream):
+                staged = self._prefill_forward(run, prompts, budgets, active, [slots[i] for i in part],
+                                               [sequences[i] for i in part])
+                if beside_chunk and n == len(parts) - 1:  # beside a chunk: the forwards' time
+                    marks.append(self._event())
+            if stream is not None:
+                torch.cuda.current_stream().wait_stream(stream)
+            self._place(run, staged)
+            run.in_flight.append(staged)  # its tensors stay alive until the device has used them
+        if not beside_chunk:  # the decode waits for all of it: forwards and copies
+            marks.append(self._event())
         if run.steps:
             run.refills += 1
             run.refilled += len(slots)
 
-    def _prefill(self, run: _Run, prompts: PromptBatch, budgets: Tensor, active: list[str], slots: list[int],
-                 sequences: list[int]) -> None:
-        """Start ``sequences`` in ``slots``: new ones from their prompts, preempted ones from their
-        prompts and the tokens they wrote (their decoder rows restored: they go on where they stopped)."""
-        buf, device = self._batch, self._batch.slot.device
+    def _prefill_forward(self, run: _Run, prompts: PromptBatch, budgets: Tensor, active: list[str], slots: list[int],
+                         sequences: list[int]) -> _Staged:
+        """Everything of starting ``sequences`` in ``slots`` that touches no decode buffer: their
+        inputs (new ones: their prompts; preempted ones: their prompts and the tokens they wrote),
+        the index tensors, and each active model's forward over them."""
+        device = self._batch.slot.device
         group = prompts.select(sequences)
-        rows = torch.tensor(slots, device=device)
+        staged = _Staged(slots, sequences, torch.tensor(slots, device=device))
         inputs = model_prompts(group)
         paused = [run.paused.pop(s, None) for s in sequences]
         new = [i for i, saved in enumerate(paused) if saved is None]
         if new:
             index = torch.tensor(new, device=device)
-            run.decoder.admit(rows[index], group.seeds[index.to(group.seeds.device)],
-                              budgets[torch.tensor([sequences[i] for i in new], device=device)])
+            staged.new = (staged.rows[index], group.seeds[index.to(group.seeds.device)],
+                          budgets[torch.tensor([sequences[i] for i in new], device=device)])
         if len(new) < len(sequences):
             back = [i for i, saved in enumerate(paused) if saved is not None]
-            run.decoder.restore(rows[torch.tensor(back, device=device)],
-                                [torch.stack(parts) for parts in zip(*(paused[i][0] for i in back))])
+            staged.resumed = (staged.rows[torch.tensor(back, device=device)],
+                              [torch.stack(parts) for parts in zip(*(paused[i][0] for i in back))])
             responses = [saved[1] if saved is not None else None for saved in paused]
             inputs = {name: with_responses(ids, mask, responses) for name, (ids, mask) in inputs.items()}
             run.resumed_tokens += sum(paused[i][1].numel() for i in back)
-        width = inputs["senior"][0].shape[1]
-        if buf.table is None:
-            buf.slot[rows] = width - 1
-            placement = None
-            bounds = [width - 1] * len(slots)
+        staged.width = width = inputs["senior"][0].shape[1]
+        if self._batch.table is None:
+            staged.last = [width - 1] * len(slots)
         else:  # paged: each row's positions start at its own prompt (its last `own` columns)
             own = [run.table.start_tokens(s) for s in sequences]
-            buf.slot[rows] = torch.tensor(own, device=device) - 1
             held = [run.table.pages.held[s] for s in sequences]
-            placement = tuple(x.to(device) for x in prompt_placement(held, own, width, self.kv_page_size))
-            bounds = [tokens - 1 for tokens in own]
+            staged.placement = tuple(x.to(device) for x in prompt_placement(held, own, width, self.kv_page_size))
+            staged.last = [tokens - 1 for tokens in own]
+        staged.last_slot = torch.tensor(staged.last, device=device)
         for name in active:
             ids, mask = inputs[name]
+            staged.masks[name] = mask
+            staged.forwards[name] = self.models[name].prefill_forward(ids, mask)
+        return staged
+
+    def _place(self, run: _Run, staged: _Staged) -> None:
+        """A staged prefill into its rows: decoder state, slots, positions, valid masks, logits and
+        each model's caches (after any decode step already queued, which still saw the rows empty)."""
+        buf, rows = self._batch, staged.rows
+        if staged.new is not None:
+            run.decoder.admit(*staged.new)
+        if staged.resumed is not None:
+            run.decoder.restore(*staged.resumed)
+        buf.slot[rows] = staged.last_slot
+        for name, (logits, cache) in staged.forwards.items():
+            mask = staged.masks[name]
             buf.position[name][rows] = mask.sum(-1) - 1
-            buf.valid[name][rows] = _valid_rows(mask, buf.slot[rows], width, buf)
-            buf.logits[name][rows] = self.models[name].prefill(ids, mask, rows, placement).float()
-        for slot, bound in zip(slots, bounds):
+            buf.valid[name][rows] = _valid_rows(mask, buf.slot[rows], staged.width, buf)
+            buf.logits[name][rows] = logits.float()
+            self.models[name].store_prefill(cache, rows, staged.placement)
+        for slot, bound in zip(staged.slots, staged.last):
             run.table.bound[slot] = bound
+
+    def _prefill_side(self) -> torch.cuda.Stream:
+        if self._prefill_stream is None:
+            self._prefill_stream = torch.cuda.Stream(device=self.models["senior"].device)
+        return self._prefill_stream
 
     def _time_chunk(self, run: _Run, steps: int, synced: float) -> float:
         """After a chunk's host sync: hand the refill timer the chunk's step time (its wall time
-        since the last sync, less the refill prefilled in it) and that prefill's time. Returns now."""
+        since the last sync, less the refill prefilled in it) and that prefill's time; for a
+        prefill beside the chunk, what it added to the chunk's wall time over its steps at the last
+        step time. Returns now."""
         now = time.perf_counter()
+        if run.beside_timed < len(run.beside) // 2:
+            run.beside_timed = len(run.beside) // 2
+            run.timer.prefill_s = max(now - synced - steps * run.timer.step_s, 0.0)
+            run.timer.observe(run.table.batch, steps, run.timer.step_s)
+            return now
         prefill = 0.0
         if run.refills_timed < len(run.prefills) // 2:  # a prefill ran since the last sync (its marks are done)
             prefill = _seconds(*run.prefills[-2:])
@@ -596,7 +668,8 @@ class FastEngine(RolloutEngine):
     def last_timing(self) -> dict[str, float]:
         """Where the last ``generate`` spent its time: setup seconds (cache allocation and graph
         capture: zero when both are reused), prefill seconds (every refill included), decode
-        seconds and steps, the decode step time; ``busy_slot_fraction``: tokens written over the
+        seconds and steps, the decode step time (prefills run beside decode chunks,
+        ``prefill_beside_s`` of ``prefill_s``, are decode time too); ``busy_slot_fraction``: tokens written over the
         rows the steps paid for (live row-steps / decoded row-steps); refills (admissions after
         decoding started) and compactions; ``prompt_width``: the widest padded prompt. With
         ``kv_cache: paged`` also ``preemptions``, ``resumed_tokens`` (response tokens preempted
@@ -606,10 +679,12 @@ class FastEngine(RolloutEngine):
         if run is None:
             raise RuntimeError("last_timing() reports on a generate() call; none has run yet")
         (total,) = run.clock.seconds()
-        prefill = sum(_seconds(a, b) for a, b in zip(run.prefills[::2], run.prefills[1::2]))
-        decode = total - prefill
+        waited = sum(_seconds(a, b) for a, b in zip(run.prefills[::2], run.prefills[1::2]))
+        beside = sum(_seconds(a, b) for a, b in zip(run.beside[::2], run.beside[1::2]))
+        decode = total - waited
         return {
-            "setup_s": run.setup_s, "prefill_s": prefill, "decode_s": decode, "decode_steps": run.steps,
+            "setup_s": run.setup_s, "prefill_s": waited + beside, "prefill_beside_s": beside,
+            "decode_s": decode, "decode_steps": run.steps,
             "decode_step_ms": 1000 * decode / max(run.steps, 1),
             "busy_slot_fraction": run.live_steps / max(run.slot_steps, 1),
             "refills": run.refills, "refilled_sequences": run.refilled,
@@ -638,6 +713,16 @@ def _mark(cuda: bool):
     event = torch.cuda.Event(enable_timing=True)
     event.record()
     return event
+
+
+@contextlib.contextmanager
+def _on(stream: torch.cuda.Stream | None) -> Iterator[None]:
+    """Work issued inside runs on ``stream`` (None: where it would anyway)."""
+    if stream is None:
+        yield
+        return
+    with torch.cuda.stream(stream):
+        yield
 
 
 def _seconds(start, end) -> float:
@@ -691,13 +776,34 @@ def _valid_rows(mask: Tensor, last: Tensor, width: int, buf: _Batch) -> Tensor: 
     return mask.bool().gather(1, columns.clamp(max=width - 1)) & (columns < width)
 
 
+@dataclass
+class _Staged:
+    """A prefill issued but not yet placed into its rows (``FastEngine._prefill_forward``)."""
+
+    slots: list[int]
+    sequences: list[int]
+    rows: Tensor  # the slots, on the device
+    new: tuple[Tensor, Tensor, Tensor] | None = None  # rows, seeds, budgets of new sequences
+    resumed: tuple[Tensor, list[Tensor]] | None = None  # rows and saved decoder rows of preempted ones
+    width: int = 0  # the prefilled columns
+    last: list[int] = field(default_factory=list)  # each row's slot of its last prefilled token
+    last_slot: Tensor | None = None  # the same, on the device
+    placement: tuple[Tensor, Tensor] | None = None  # paged: where the prompt K/V go in the pool
+    masks: dict[str, Tensor] = field(default_factory=dict)  # per model: its attention mask
+    forwards: dict[str, tuple[Tensor, object]] = field(default_factory=dict)  # per model: logits, cache
+
+
 class _Run:
     """The bookkeeping of one ``generate``: the decoder, the slot table, and what timing reports."""
 
     def __init__(self, decoder: TandemDecoder, table: SlotTable, clock: _PhaseClock, timer: RefillTimer):
         self.decoder, self.table, self.clock, self.timer = decoder, table, clock, timer
-        self.prefills: list = []  # start/end marks of every prefill
+        self.prefills: list = []  # start/end marks of every prefill the decode waited for
         self.refills_timed = 1  # prefills whose time the timer has had (the first admission: not a refill)
+        self.beside: list = []  # start/end marks of the forwards of prefills run beside a decode chunk
+        self.beside_timed = 0
+        self.chunk_start = None  # a mark queued before the current chunk's steps
+        self.in_flight: list[_Staged] = []  # staged prefills the device may still read
         self.setup_s = 0.0
         self.steps = self.slot_steps = self.live_steps = 0
         self.refills = self.compactions = 0

@@ -259,15 +259,26 @@ class HybridDecoderModel:
                 mixer.free()
         self.cos = self.sin = None
 
-    @torch.no_grad()
     def prefill(self, input_ids: Tensor, attention_mask: Tensor, rows: Tensor,
                 placement: tuple[Tensor, Tensor] | None = None) -> Tensor:  # -> [B, V]
-        """The model's own forward over the prompts; its cache is copied into the static buffers'
-        ``rows`` (keys/values into slots [0, P), or into a paged pool where ``placement`` puts them;
-        the convolution and recurrent states as they end: a row's states are per sequence, so they
-        are overwritten whole on admission)."""
+        """``prefill_forward``, then ``store_prefill`` into ``rows``: the next-token logits."""
+        logits, cache = self.prefill_forward(input_ids, attention_mask)
+        self.store_prefill(cache, rows, placement)
+        return logits
 
+    @torch.no_grad()
+    def prefill_forward(self, input_ids: Tensor, attention_mask: Tensor):  # -> [B, V], its cache
+        """The model's own forward over the prompts: the last position's logits and its cache.
+        Reads the weights only, so it may run on another stream while decode steps run."""
         hidden, cache = prefill_with_cache(self.decoder_stack, self.config, input_ids, attention_mask)
+        last = hidden[:, -1:].contiguous()
+        return self.lm_head(last)[:, -1], cache
+
+    def store_prefill(self, cache, rows: Tensor, placement: tuple[Tensor, Tensor] | None = None) -> None:
+        """A ``prefill_forward``'s cache into the static buffers' ``rows`` (keys/values into slots
+        [0, P), or into a paged pool where ``placement`` puts them; the convolution and recurrent
+        states as they end: a row's states are per sequence, so they are overwritten whole on
+        admission)."""
         for i, (_, mixer, _) in enumerate(self.blocks):
             if isinstance(mixer, _DeltaLayer):
                 conv, recurrent = linear_attention_states(cache, i)
@@ -276,8 +287,6 @@ class HybridDecoderModel:
             else:
                 keys, values = layer_cache(cache, i)
                 store_prompt_kv(self.k_cache[i], self.v_cache[i], keys, values, rows, placement)
-        last = hidden[:, -1:].contiguous()
-        return self.lm_head(last)[:, -1]
 
     def move_rows(self, sources: Tensor) -> None:
         """Compaction: row ``i`` of every cache and linear-attention state becomes row ``sources[i]``'s

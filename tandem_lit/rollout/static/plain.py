@@ -142,19 +142,30 @@ class StaticDecoderModel:
     @torch.no_grad()
     def prefill(self, input_ids: Tensor, attention_mask: Tensor, rows: Tensor,
                 placement: tuple[Tensor, Tensor] | None = None) -> Tensor:  # -> [B, V]
+        """``prefill_forward``, then ``store_prefill`` into cache ``rows``: the next-token logits."""
+        logits, cache = self.prefill_forward(input_ids, attention_mask)
+        self.store_prefill(cache, rows, placement)
+        return logits
+
+    @torch.no_grad()
+    def prefill_forward(self, input_ids: Tensor, attention_mask: Tensor):  # -> [B, V], its cache
         """The model's own decoder stack over the prompts (left-padded among themselves), then its
-        LM head on the last position; keys/values land in cache ``rows`` at slots [0, P), or, in a
-        paged pool, where ``placement`` puts them (``blocks.write_prompt_pages``)."""
+        LM head on the last position. Reads the weights only, so it may run on another stream
+        while decode steps run (``FastEngine(overlap_prefill="on")``)."""
         hidden, cache = prefill_with_cache(self.decoder_stack, self.config, input_ids, attention_mask)
-        for i in range(len(self.layers)):
-            keys, values = layer_cache(cache, i)
-            store_prompt_kv(self.k_cache[i], self.v_cache[i], keys, values, rows, placement)
         last = hidden[:, -1:]  # what ``logits_to_keep=1`` hands the LM head (bit-equal to HFEngine on CPU)
         if last.is_cuda:
             # on that strided view cuBLAS picked a kernel that took ~10 ms instead of ~0.2
             # (H200, batch 64 x 128 prompt tokens; benchmarks/prefill.py)
             last = last.contiguous()
-        return self.lm_head(last)[:, -1]
+        return self.lm_head(last)[:, -1], cache
+
+    def store_prefill(self, cache, rows: Tensor, placement: tuple[Tensor, Tensor] | None = None) -> None:
+        """A ``prefill_forward``'s keys/values into cache ``rows`` at slots [0, P), or, in a paged
+        pool, where ``placement`` puts them (``blocks.write_prompt_pages``)."""
+        for i in range(len(self.layers)):
+            keys, values = layer_cache(cache, i)
+            store_prompt_kv(self.k_cache[i], self.v_cache[i], keys, values, rows, placement)
 
     def move_rows(self, sources: Tensor) -> None:
         """Compaction: cache row ``i`` becomes row ``sources[i]``'s, for i < len(sources) (a paged

@@ -119,11 +119,13 @@ class RefillTimer:
         self.free = 0  # slots left empty at the last decision: they idle through the next chunk
         self.idle_s = 0.0  # decode time those empty slots have cost since the last refill
         self.slot_chunk_s = 0.0  # what one empty slot costs over a chunk (the last chunk's step time / batch)
+        self.step_s = 0.0  # the last chunk's step time
         self.prefill_s: float | None = None  # the last refill's prefill time
 
     def observe(self, batch: int, steps: int, step_s: float) -> None:
         """A chunk of ``steps`` decode steps of ``step_s`` seconds has run, ``self.free`` of its
         ``batch`` rows empty."""
+        self.step_s = step_s
         self.slot_chunk_s = steps * step_s / batch
         self.idle_s += self.free * self.slot_chunk_s
 
