@@ -347,9 +347,9 @@ def useful_rows(args, part: str) -> list[dict]:
     return rows
 
 
-def continuous_name(layout: str, refill: str, policy: str, overlap: str = "on") -> str:
+def continuous_name(layout: str, refill: str, policy: str, overlap: str = "off") -> str:
     return (f"FastEngine continuous{' paged' if layout == 'paged' else ''}{' eager refill' if refill == 'eager' else ''}"
-            f"{' waiting prefill' if overlap == 'off' else ''}, {policy}")
+            f"{' overlapped prefill' if overlap == 'on' else ''}, {policy}")
 
 
 def set_kv_layout(engine: FastEngine, layout: str, gib: float | None) -> None:
@@ -472,7 +472,7 @@ def main() -> None:
                         help="size of the paged pool (default: as large as the slot caches, so nothing is preempted)")
     parser.add_argument("--refill", nargs="+", choices=["amortized", "eager"], default=["amortized"],
                         help="FastEngine(refill=...): continuous rows for each (the first sets the ratios' row)")
-    parser.add_argument("--overlap-prefill", nargs="+", choices=["on", "off"], default=["on" if torch.cuda.is_available() else "off"],
+    parser.add_argument("--overlap-prefill", nargs="+", choices=["on", "off"], default=["off"],
                         help="FastEngine(overlap_prefill=...): refills prefilled beside the next decode chunk, or "
                              "waited for; continuous rows for each (the first sets the ratios' row)")
     parser.add_argument("--policies", nargs="+", choices=["solo", "tandem"], default=["solo", "tandem"],

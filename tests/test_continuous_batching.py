@@ -145,23 +145,22 @@ def three_engines(senior, junior, tokenizer):
 
 
 def check_queue(engines, prompts, policy, sampling, compacts=True):
-    """The continuous engine twice: refills prefilled beside the next decode chunk (the default,
-    admitted a chunk later), then with the decode waiting for each refill (``last_timing`` is that
-    run's). ``compacts``: the waiting schedule must end in a compaction (with preemptions it may
+    """The continuous engine twice: refills prefilled beside the next decode chunk (admitted a
+    chunk later), then with the decode waiting for each refill (the default; ``last_timing`` is
+    that run's). ``compacts``: the waiting schedule must end in a compaction (with preemptions it may
     end with every row finishing in one chunk instead)."""
     reference, static, continuous = engines
     want = reference.generate(prompts, policy, sampling)
     assert_same(static.generate(prompts, policy, sampling), want)
     continuous.overlap_prefill = "on"  # on the CPU too: admissions deferred by a chunk
-    got = continuous.generate(prompts, policy, sampling)
+    try:
+        got = continuous.generate(prompts, policy, sampling)
+    finally:
+        continuous.overlap_prefill = "off"
     assert_same(got, want)
     beside = continuous.last_timing()
     assert beside["refills"] > 0 and beside["prefill_beside_s"] > 0  # refills ran beside a chunk
-    continuous.overlap_prefill = "off"
-    try:
-        assert_same(continuous.generate(prompts, policy, sampling), want)
-    finally:
-        continuous.overlap_prefill = "auto"
+    assert_same(continuous.generate(prompts, policy, sampling), want)
     timing = continuous.last_timing()
     assert timing["refills"] > 0 and (timing["compactions"] > 0 or not compacts)  # slots were reused and rows moved
     assert timing["prefill_beside_s"] == 0

@@ -186,10 +186,12 @@ class FastEngine(RolloutEngine):
         kv_cache_gib: The paged pool's size in GiB instead (both models' K/V; not Qwen3.5's per-row
             linear-attention states).
         overlap_prefill: ``on``: a refill's prefill runs beside the next decode chunk (on CUDA its
-            forwards on a second stream), its sequences decoding from the chunk after; ``off``:
-            the decode waits for every refill; ``auto`` (default): on on CUDA, off elsewhere (on
-            the CPU nothing overlaps: ``on`` only defers admissions, as the CPU tests check).
-            Speed only, as ``refill``.
+            forwards on a second stream), its sequences decoding from the chunk after; ``off``
+            (default): the decode waits for every refill. Speed only, as ``refill``. Off by
+            default because it measured no gain: refills are amortised, so the waited-for
+            prefills are a few percent of a rollout, and a prefill beside a decode chunk slows
+            that chunk about as much as it saves (docs/benchmarks.md, "Prefill beside decode").
+            On the CPU nothing overlaps: ``on`` only defers admissions, as the CPU tests check.
         prefill_tokens: Padded positions one prefill call holds at most (rows x the longest):
             an admission of more runs as several prefills (resumed sequences prefill their
             responses too, thousands of positions each).
@@ -213,7 +215,7 @@ class FastEngine(RolloutEngine):
         kv_cache_gib: float | None = None,
         refill: Literal["amortized", "eager"] = "amortized",
         prefill_tokens: int = 16384,
-        overlap_prefill: Literal["auto", "on", "off"] = "auto",
+        overlap_prefill: Literal["on", "off"] = "off",
     ):
         if refill not in ("amortized", "eager"):
             raise ConfigError(f"refill must be 'amortized' or 'eager', got {refill!r}")
@@ -221,8 +223,8 @@ class FastEngine(RolloutEngine):
         if kv_block < 1 or check_every < 1 or prefill_tokens < 1:
             raise ConfigError("kv_block, check_every and prefill_tokens must be >= 1")
         self.prefill_tokens = prefill_tokens
-        if overlap_prefill not in ("auto", "on", "off"):
-            raise ConfigError(f"overlap_prefill must be 'auto', 'on' or 'off', got {overlap_prefill!r}")
+        if overlap_prefill not in ("on", "off"):
+            raise ConfigError(f"overlap_prefill must be 'on' or 'off', got {overlap_prefill!r}")
         self.overlap_prefill = overlap_prefill
         check_kv_cache(kv_cache, kv_page_size, kv_cache_tokens, kv_cache_gib)
         self.kv_cache, self.kv_page_size = kv_cache, kv_page_size
@@ -451,7 +453,7 @@ class FastEngine(RolloutEngine):
             run.timer.free = run.table.batch - len(run.table.live)  # a paged pool may admit fewer
             synced = time.perf_counter()
             refill_beside = False  # a refill decided after the last chunk, prefilled beside this one
-            overlaps_prefill = self.overlap_prefill == "on" or (self.overlap_prefill == "auto" and device.type == "cuda")
+            overlaps_prefill = self.overlap_prefill == "on"
             while True:
                 view = decoder.narrow(run.table.batch)
                 steps = min(self.check_every, run.table.steps_left())
