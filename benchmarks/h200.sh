@@ -20,6 +20,8 @@ if compgen -G "$WHEELS/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
     || { echo "installing $WHEELS failed"; exit 1; }
   export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD  # the scripts import tandem_lit from this checkout, installed or not
 fi
 LOGNORMAL="lognormal:median=1000,sigma=0.8,cap=3000"
 DATA=(--tokenizer "$TOKENIZER" --problems "$PROBLEMS")
