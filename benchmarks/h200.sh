@@ -94,6 +94,18 @@ for name in "$@"; do
     # the 9B config as written: rollout.batch_size 32, the step's 128 rollouts a queue of 4 (~9 min)
     q35-config-solo) stage "$name" 560 python3 benchmarks/rollout.py --device cuda --models qwen35-9b-2b --batches 32 \
       --queue 4 --lengths "$LOGNORMAL" --policies solo --json "$OUT/$name.json";;
+    # the 9B config's tandem arm as written (batch 32, queue 4) (~6 min)
+    q35-config-tandem) stage "$name" 560 python3 benchmarks/rollout.py --device cuda --models qwen35-9b-2b --batches 32 \
+      --queue 4 --lengths "$LOGNORMAL" --policies tandem --json "$OUT/$name.json";;
+    # issue 24's Qwen3.5 command with the engine's defaults, one policy a call: static and continuous (~4-5 min each)
+    q35-issue-solo|q35-issue-tandem) stage "$name" 560 python3 benchmarks/rollout.py --device cuda --models qwen35-9b-2b \
+      --batches 64 --queue 2 --lengths "$LOGNORMAL" --policies "${name#q35-issue-}" --json "$OUT/$name.json";;
+    # issue 24's anchor: Qwen3-4B solo, 64 and 128 lognormal sequences at once, FastEngine static and
+    # continuous against vLLM 0.24 (its KV cache as large as the 128 rows' slot caches), each in its own
+    # process of the same run; vLLM unpacked into /tmp/site first (../shared/vllm/README.md) (~6 min)
+    vllm-anchor) stage "$name" 560 env PYTHONPATH="/tmp/site:$PYTHONPATH" VLLM_USE_FLASHINFER_SAMPLER=0 python3 \
+      benchmarks/rollout.py --device cuda --batches 64 128 --queue 1 --lengths "$LOGNORMAL" --policies solo --vllm \
+      --vllm-kwargs '{"kv_cache_gib": 60}' --json "$OUT/$name.json";;
     *) echo "unknown stage $name (see the case list in $0)"; exit 2;;
   esac
 done

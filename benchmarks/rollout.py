@@ -394,6 +394,8 @@ def useful_main(args) -> None:
                                   capture_output=True, text=True)
             if done.returncode != 0:
                 print(done.stdout + done.stderr[-4000:], file=sys.stderr)
+                if rows:  # what the other engine measured is still a result: show it before failing
+                    print_useful(rows)
                 raise SystemExit(f"the {part} subprocess failed")
             result = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
             rows.extend(json.loads(result[-1][len("RESULT "):]))

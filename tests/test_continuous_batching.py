@@ -26,9 +26,8 @@ from tandem_lit.rollout.handoff import (
 )
 from tandem_lit.rollout.record import PromptBatch
 from tandem_lit.rollout.sampling import SamplingConfig, sequence_seeds
-from tandem_lit.rollout.static import FastEngine
-from tandem_lit.rollout.static import engine as fast_engine
-from tandem_lit.rollout.static.engine import prefill_parts, with_responses
+from tandem_lit.rollout.static import FastEngine, continuous
+from tandem_lit.rollout.static.continuous import prefill_parts, with_responses
 from tandem_lit.rollout.static.scheduler import RefillTimer
 from tandem_lit.rollout.text_handoff import TextHandoffEngine
 from tests.test_fast_engine import build, prompt_batch
@@ -246,7 +245,7 @@ def test_refills_put_off_to_the_last_moment_change_nothing(tokenizer, plain_pair
     eager.setup(senior, junior, tokenizer)
     want = eager.generate(prompts, WordHandoff(p=0.5), SAMPLED)
     eager_refills = eager.last_timing()["refills"]
-    monkeypatch.setattr(fast_engine, "RefillTimer", Patient)
+    monkeypatch.setattr(continuous, "RefillTimer", Patient)
     patient = FastEngine(kernels="torch", rollout_dtype="float32", max_batch=3, check_every=2)
     patient.setup(senior, junior, tokenizer)
     assert_same(patient.generate(prompts, WordHandoff(p=0.5), SAMPLED), want)

@@ -4,21 +4,20 @@ Decoding is memory-bandwidth bound: each step must read both models' weights and
 caches once. Everything else is overhead to remove: per-token Python, dynamic cache growth,
 kernel launch gaps, host syncs. So:
 
-- Continuous batching: the rows of one ``generate`` are a queue. At most ``max_batch`` decode at
-  once; every ``check_every`` steps the host reads the finished flags (end token, budget, span
-  limit), collects finished sequences and refills their slots from the queue; once it is empty,
-  the live rows are compacted into the next smaller captured batch size, so finished rows stop
-  costing (``scheduler.SlotTable``). Everything on the device is per row (cache slot, position,
-  valid mask, the decoder's step counter and RNG draws), so a sequence depends on its own seed
-  only, never on its slot, its neighbours or when it was admitted. ``max_batch=None`` is the
-  degenerate case: every row admitted at once, compaction only.
+- Continuous batching: the rows of one ``generate`` are a queue (``continuous.ContinuousRun``).
+  At most ``max_batch`` decode at once; every ``check_every`` steps the host reads the finished
+  flags (end token, budget, span limit), collects finished sequences and refills their slots from
+  the queue; once it is empty, the live rows are compacted into the next smaller captured batch
+  size, so finished rows stop costing (``scheduler.SlotTable``). Everything on the device is per
+  row (cache slot, position, valid mask, the decoder's step counter and RNG draws), so a sequence
+  depends on its own seed only, never on its slot, its neighbours or when it was admitted.
+  ``max_batch=None`` is the degenerate case: every row admitted at once, compaction only.
 - Prefill runs the models' own Hugging Face decoder stack over the admitted prompts (left-padded
   among themselves); its keys/values (and Qwen3.5's linear-attention states) are copied into the
-  freed rows of preallocated static caches. A refill's prefill (on CUDA) runs on its own stream
-  beside the next decode chunk, which the live rows decode meanwhile: at a few prompts a prefill
-  is thousands of small kernel launches (Qwen3.5's Hugging Face stack: ~0.1 s for the 9B), so
-  the host issues them while the GPU decodes instead of the GPU waiting for the host. Its copy
-  into the freed rows waits for that chunk, and the admitted rows decode from the chunk after.
+  freed rows of preallocated static caches. Refills are amortised (``scheduler.RefillTimer``):
+  freed slots wait until their idle decode time reaches a prefill's, so several share one. The
+  decode waits for a refill's prefill; ``overlap_prefill: on`` runs it on a second stream beside
+  the next decode chunk instead (measured no faster: docs/benchmarks.md).
 - KV layout (``kv_cache``): ``slots`` gives every decode row its own cache of prompt + cap
   positions, so memory is rows x (prompt + cap) whatever the sequences use, and compaction copies
   cache rows. ``paged`` keeps one pool of fixed-size pages per layer and model and one block
@@ -48,11 +47,9 @@ kernel launch gaps, host syncs. So:
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
-from collections.abc import Iterator
-from dataclasses import astuple, dataclass, field
+from dataclasses import astuple
 from typing import Literal
 
 import torch
@@ -64,10 +61,10 @@ from tandem_lit.rollout.engine import RolloutEngine, eval_mode, model_prompts
 from tandem_lit.rollout.handoff import HandoffPolicy
 from tandem_lit.rollout.record import PromptBatch, Rollout
 from tandem_lit.rollout.sampling import SamplingConfig
+from tandem_lit.rollout.static.continuous import ContinuousRun, RunSettings, paged_table
 from tandem_lit.rollout.static.hybrid import HYBRID_MODEL_TYPES, HybridDecoderModel
-from tandem_lit.rollout.static.paging import BlockManager, prompt_placement, write_table_rows
 from tandem_lit.rollout.static.plain import StaticDecoderModel
-from tandem_lit.rollout.static.scheduler import PagedSlotTable, RefillTimer, SlotTable
+from tandem_lit.rollout.static.scheduler import SlotTable
 from tandem_lit.rollout.weights import check_rollout_dtype
 
 
@@ -127,23 +124,6 @@ class _Batch:
 
     def per_row(self) -> list[Tensor]:
         return [self.slot, *self.position.values(), *self.valid.values(), *self.logits.values()]
-
-
-class _PhaseClock:
-    """Marks points of one ``generate`` without a host sync (CUDA events; the host clock on CPU)."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.marks: list = []
-
-    def mark(self) -> None:
-        self.marks.append(_mark(self.cuda))
-
-    def seconds(self) -> list[float]:
-        """Time between consecutive marks (waits for the last one on CUDA)."""
-        if self.cuda:
-            self.marks[-1].synchronize()
-        return [_seconds(a, b) for a, b in zip(self.marks, self.marks[1:])]
 
 
 class FastEngine(RolloutEngine):
@@ -256,7 +236,7 @@ class FastEngine(RolloutEngine):
         self._weights_at_capture: dict[str, int] = {}
         self._side_stream: torch.cuda.Stream | None = None  # created on the first overlapped step
         self._prefill_stream: torch.cuda.Stream | None = None  # created on the first overlapped refill
-        self._last_run: _Run | None = None
+        self._last_run: ContinuousRun | None = None
         device = self.models["senior"].device
         if self.kernels == "triton" and device.type != "cuda":
             raise ConfigError("FastEngine(kernels='triton') needs a CUDA device; use kernels: torch or auto")
@@ -428,12 +408,21 @@ class FastEngine(RolloutEngine):
         buf = self._ensure_capacity(capacity, width + sampling.max_new_tokens)
         key, decoder = self._decoder(policy, sampling, capacity)
         if buf.table is not None:
-            table = self._paged_table(prompts, budgets, capacity, buf)
+            table = paged_table(prompts, budgets, capacity, buf.table, buf.pages, self.kv_page_size)
         else:
             table = SlotTable(list(range(rows)), capacity, budgets.tolist())
-        run = _Run(decoder, table, _PhaseClock(device), RefillTimer(self.refill))
+        settings = RunSettings(self.check_every, self.refill, self.overlap_prefill, self.prefill_tokens,
+                               self.kv_page_size)
+        run = ContinuousRun(buf, self.models, decoder, table, settings, self._prefill_side)
         run.width = width
         active = [name for name, needed in (("senior", decoder.needs_senior), ("junior", decoder.needs_junior)) if needed]
+
+        def step(view: TandemDecoder, kv_len: int) -> None:
+            if use_graphs:
+                self._graph(key, view, kv_len).replay()
+            else:
+                self._step(view, kv_len)
+
         # static caches hold the weights' dtype: decode in it, also inside a bf16-mixed training step
         no_autocast = torch.autocast(device_type=device.type, enabled=False)
         with eval_mode(*(self.models[name].model for name in active)), no_autocast:
@@ -441,377 +430,34 @@ class FastEngine(RolloutEngine):
                 self.models[name].sync()
             if use_graphs:  # captured before any sequence is admitted: warm-up steps scribble on the buffers
                 self._check_weights_in_place()
-                for size in run.table.ladder:
+                for size in table.ladder:
                     for kv_len in sorted({self._kv_len(n) for n in range(1, buf.length + 1)}):
                         self._graph(key, decoder.narrow(size), kv_len)
             run.setup_s = time.perf_counter() - started
-            decoder.vacate()
-            results = {name: torch.zeros((rows, *x.shape[1:]), dtype=x.dtype, device=device)
-                       for name, x in decoder.outputs().items()}
-            run.clock.mark()
-            self._admit(run, prompts, budgets, active)
-            run.timer.free = run.table.batch - len(run.table.live)  # a paged pool may admit fewer
-            synced = time.perf_counter()
-            refill_beside = False  # a refill decided after the last chunk, prefilled beside this one
-            overlaps_prefill = self.overlap_prefill == "on"
-            while True:
-                view = decoder.narrow(run.table.batch)
-                steps = min(self.check_every, run.table.steps_left())
-                if buf.table is not None:  # pages for this chunk's positions (may preempt)
-                    self._reserve(run, steps)
-                    steps = min(steps, run.table.steps_left())
-                needed = run.table.kv_needed()  # host bookkeeping once per chunk, not per step
-                run.chunk_start = self._event()  # what a prefill beside this chunk may read is done by then
-                for i in range(steps):
-                    kv_len = self._kv_len(needed + i)
-                    if use_graphs:
-                        self._graph(key, view, kv_len).replay()
-                    else:
-                        self._step(view, kv_len)
-                run.table.advance(steps)
-                run.steps += steps
-                run.slot_steps += steps * run.table.batch
-                if refill_beside:  # the chunk is queued on the device: issue the prefill meanwhile
-                    self._admit(run, prompts, budgets, active, beside_chunk=steps > 0)
-                    run.timer.free = run.table.batch - len(run.table.live)
-                    refill_beside = False
-                finished = decoder.state.finished[: run.table.batch].tolist()  # the host sync
-                run.in_flight.clear()  # the device is done with every staged prefill
-                synced = self._time_chunk(run, steps, synced)
-                slots, sequences = run.table.retire(finished)
-                if slots:
-                    out = decoder.outputs()
-                    index, where = (torch.tensor(x, device=device) for x in (slots, sequences))
-                    for name, values in results.items():
-                        values.index_copy_(0, where, out[name][index])
-                    buf.slot[index] = 0  # empty until refilled: its attention reads nothing
-                if run.table.queue:
-                    live = len(run.table.live)
-                    if run.timer.due(run.table.batch - live, len(run.table.queue), live):
-                        if overlaps_prefill and live:
-                            refill_beside = True  # admitted behind the next chunk
-                        else:
-                            self._admit(run, prompts, budgets, active)
-                    run.timer.free = run.table.batch - len(run.table.live)
-                elif not run.table.live:
-                    break
-                elif (size := run.table.smaller_batch()) is not None:
-                    self._compact(run, size)
-            run.clock.mark()
-        run.live_steps = int((results["authors"] != 0).sum())
+            results = run.decode(prompts, budgets, active, step, self._kv_len)
         self._last_run = run
         return package_rollout(prompts, results, self.tokenizer, decoder.needs_senior)
-
-    # ---------------------------------------------------------------------------- paged pool
-
-    def _paged_table(self, prompts: PromptBatch, budgets: Tensor, capacity: int, buf: _Batch) -> PagedSlotTable:
-        """The slot table of a paged ``generate``: a sequence's positions start at its own prompt
-        (the longer of the two models' prompts: both read the same positions), not at the widest
-        of its admission group, so no page holds another row's padding."""
-        masks = [mask for _, mask in model_prompts(prompts).values()]
-        prompt_tokens = torch.stack([m.sum(-1) for m in masks]).amax(0).tolist()
-        pages = BlockManager(buf.pages, self.kv_page_size)
-        longest = max(p + b for p, b in zip(prompt_tokens, budgets.tolist()))
-        if pages.pages_for(longest) > pages.usable:
-            raise ConfigError(
-                f"the paged KV pool holds {pages.usable * self.kv_page_size} tokens, and a sequence of this batch "
-                f"needs up to {longest} (prompt + max_new_tokens): raise kv_cache_tokens / kv_cache_gib"
-            )
-        buf.table.zero_()  # rows point at the scratch page until they hold a sequence
-        return PagedSlotTable(list(range(prompts.batch_size)), capacity, budgets.tolist(), prompt_tokens, pages)
-
-    def _reserve(self, run: _Run, steps: int) -> None:
-        """Give every live sequence the pages of its next ``steps`` positions (preempted rows are
-        emptied: their sequences wait at the front of the queue), then write the changed table rows."""
-        preempted = run.table.reserve(steps)
-        device = self._batch.slot.device
-        if preempted:  # each keeps what it wrote: readmitted, it prefills those tokens and goes on
-            slots = torch.tensor([slot for slot, _ in preempted], device=device)
-            saved = run.decoder.save(slots)
-            for i, written in enumerate(run.decoder.t[slots].tolist()):
-                slot, sequence = preempted[i]
-                run.paused[sequence] = ([x[i] for x in saved], run.decoder.tokens[slot, :written].clone())
-                run.table.resume_later(sequence, written)
-            run.decoder.state.finished[slots] = True
-            self._batch.slot[slots] = 0  # empty until refilled: its attention reads nothing
-        write_table_rows(self._batch.table, run.table.page_rows())
-        pages = run.table.pages
-        run.peak_pages = max(run.peak_pages, pages.usable - len(pages.free))
-
-    def _admit(self, run: _Run, prompts: PromptBatch, budgets: Tensor, active: list[str],
-               beside_chunk: bool = False) -> None:
-        """Refill free slots from the queue: prefills of both models over the admitted prompts
-        (left-padded among themselves, at most ``prefill_tokens`` padded positions a prefill),
-        their caches copied into the freed rows. ``beside_chunk``: a decode chunk is queued on the
-        device; on CUDA the prefills' forwards then run on the prefill stream beside it (they read
-        weights and prompts only) and only their copies into the rows wait for it."""
-        slots, sequences = run.table.admit()
-        if not slots:
-            return
-        run.timer.refilled()
-        stream = self._prefill_side() if beside_chunk and self._batch.slot.is_cuda else None
-        if stream is not None:
-            stream.wait_event(run.chunk_start)
-        marks = run.beside if beside_chunk else run.prefills  # start/end of this refill's prefills
-        with _on(stream):
-            marks.append(self._event())
-        starts = [run.table.start_tokens(s) if isinstance(run.table, PagedSlotTable) else 0 for s in sequences]
-        parts = prefill_parts(starts, self.prefill_tokens)
-        for n, part in enumerate(parts):
-            with _on(stream):
-                staged = self._prefill_forward(run, prompts, budgets, active, [slots[i] for i in part],
-                                               [sequences[i] for i in part])
-                if beside_chunk and n == len(parts) - 1:  # beside a chunk: the forwards' time
-                    marks.append(self._event())
-            if stream is not None:
-                torch.cuda.current_stream().wait_stream(stream)
-            self._place(run, staged)
-            run.in_flight.append(staged)  # its tensors stay alive until the device has used them
-        if not beside_chunk:  # the decode waits for all of it: forwards and copies
-            marks.append(self._event())
-        if run.steps:
-            run.refills += 1
-            run.refilled += len(slots)
-
-    def _prefill_forward(self, run: _Run, prompts: PromptBatch, budgets: Tensor, active: list[str], slots: list[int],
-                         sequences: list[int]) -> _Staged:
-        """Everything of starting ``sequences`` in ``slots`` that touches no decode buffer: their
-        inputs (new ones: their prompts; preempted ones: their prompts and the tokens they wrote),
-        the index tensors, and each active model's forward over them."""
-        device = self._batch.slot.device
-        group = prompts.select(sequences)
-        staged = _Staged(slots, sequences, torch.tensor(slots, device=device))
-        inputs = model_prompts(group)
-        paused = [run.paused.pop(s, None) for s in sequences]
-        new = [i for i, saved in enumerate(paused) if saved is None]
-        if new:
-            index = torch.tensor(new, device=device)
-            staged.new = (staged.rows[index], group.seeds[index.to(group.seeds.device)],
-                          budgets[torch.tensor([sequences[i] for i in new], device=device)])
-        if len(new) < len(sequences):
-            back = [i for i, saved in enumerate(paused) if saved is not None]
-            staged.resumed = (staged.rows[torch.tensor(back, device=device)],
-                              [torch.stack(parts) for parts in zip(*(paused[i][0] for i in back))])
-            responses = [saved[1] if saved is not None else None for saved in paused]
-            inputs = {name: with_responses(ids, mask, responses) for name, (ids, mask) in inputs.items()}
-            run.resumed_tokens += sum(paused[i][1].numel() for i in back)
-        staged.width = width = inputs["senior"][0].shape[1]
-        if self._batch.table is None:
-            staged.last = [width - 1] * len(slots)
-        else:  # paged: each row's positions start at its own prompt (its last `own` columns)
-            own = [run.table.start_tokens(s) for s in sequences]
-            held = [run.table.pages.held[s] for s in sequences]
-            staged.placement = tuple(x.to(device) for x in prompt_placement(held, own, width, self.kv_page_size))
-            staged.last = [tokens - 1 for tokens in own]
-        staged.last_slot = torch.tensor(staged.last, device=device)
-        for name in active:
-            ids, mask = inputs[name]
-            staged.masks[name] = mask
-            staged.forwards[name] = self.models[name].prefill_forward(ids, mask)
-        return staged
-
-    def _place(self, run: _Run, staged: _Staged) -> None:
-        """A staged prefill into its rows: decoder state, slots, positions, valid masks, logits and
-        each model's caches (after any decode step already queued, which still saw the rows empty)."""
-        buf, rows = self._batch, staged.rows
-        if staged.new is not None:
-            run.decoder.admit(*staged.new)
-        if staged.resumed is not None:
-            run.decoder.restore(*staged.resumed)
-        buf.slot[rows] = staged.last_slot
-        for name, (logits, cache) in staged.forwards.items():
-            mask = staged.masks[name]
-            buf.position[name][rows] = mask.sum(-1) - 1
-            buf.valid[name][rows] = _valid_rows(mask, buf.slot[rows], staged.width, buf)
-            buf.logits[name][rows] = logits.float()
-            self.models[name].store_prefill(cache, rows, staged.placement)
-        for slot, bound in zip(staged.slots, staged.last):
-            run.table.bound[slot] = bound
 
     def _prefill_side(self) -> torch.cuda.Stream:
         if self._prefill_stream is None:
             self._prefill_stream = torch.cuda.Stream(device=self.models["senior"].device)
         return self._prefill_stream
 
-    def _time_chunk(self, run: _Run, steps: int, synced: float) -> float:
-        """After a chunk's host sync: hand the refill timer the chunk's step time (its wall time
-        since the last sync, less the refill prefilled in it) and that prefill's time; for a
-        prefill beside the chunk, what it added to the chunk's wall time over its steps at the last
-        step time. Returns now."""
-        now = time.perf_counter()
-        if run.beside_timed < len(run.beside) // 2:
-            run.beside_timed = len(run.beside) // 2
-            run.timer.prefill_s = max(now - synced - steps * run.timer.step_s, 0.0)
-            run.timer.observe(run.table.batch, steps, run.timer.step_s)
-            return now
-        prefill = 0.0
-        if run.refills_timed < len(run.prefills) // 2:  # a prefill ran since the last sync (its marks are done)
-            prefill = _seconds(*run.prefills[-2:])
-            run.timer.prefill_s = prefill
-            run.refills_timed = len(run.prefills) // 2
-        if steps:
-            run.timer.observe(run.table.batch, steps, max(now - synced - prefill, 0.0) / steps)
-        return now
-
-    def _compact(self, run: _Run, size: int) -> None:
-        """Move the live rows to the first rows (both models, every per-row buffer) and decode
-        ``size`` rows from now on: finished rows stop costing."""
-        sources = torch.tensor(run.table.compact(size), device=self._batch.slot.device)
-        for tensor in (*run.decoder.per_row(), *self._batch.per_row()):
-            tensor[: len(sources)] = tensor[sources]
-        for model in self.models.values():
-            model.move_rows(sources)  # paged pools stay put: the table rows are rewritten before the next step
-        run.decoder.state.finished[len(sources):].fill_(True)  # the rows left behind are empty
-        run.compactions += 1
-
-    def _event(self):
-        return _mark(self._batch.slot.device.type == "cuda")
-
     def last_timing(self) -> dict[str, float]:
         """Where the last ``generate`` spent its time: setup seconds (cache allocation and graph
         capture: zero when both are reused), prefill seconds (every refill included), decode
         seconds and steps, the decode step time (prefills run beside decode chunks,
-        ``prefill_beside_s`` of ``prefill_s``, are decode time too); ``busy_slot_fraction``: tokens written over the
-        rows the steps paid for (live row-steps / decoded row-steps); refills (admissions after
-        decoding started) and compactions; ``prompt_width``: the widest padded prompt. With
-        ``kv_cache: paged`` also ``preemptions``, ``resumed_tokens`` (response tokens preempted
-        sequences prefilled again to go on), ``kv_pool_tokens`` (positions the pool holds) and
-        ``kv_pool_peak_fraction`` (the most of it held at once)."""
-        run = self._last_run
-        if run is None:
+        ``prefill_beside_s`` of ``prefill_s``, are decode time too); ``busy_slot_fraction``: tokens
+        written over the rows the steps paid for (live row-steps / decoded row-steps); refills
+        (admissions after decoding started) and compactions; ``prompt_width``: the widest padded
+        prompt. With ``kv_cache: paged`` also ``preemptions``, ``resumed_tokens`` (response tokens
+        preempted sequences prefilled again to go on), ``kv_pool_tokens`` (positions the pool
+        holds) and ``kv_pool_peak_fraction`` (the most of it held at once)."""
+        if self._last_run is None:
             raise RuntimeError("last_timing() reports on a generate() call; none has run yet")
-        (total,) = run.clock.seconds()
-        waited = sum(_seconds(a, b) for a, b in zip(run.prefills[::2], run.prefills[1::2]))
-        beside = sum(_seconds(a, b) for a, b in zip(run.beside[::2], run.beside[1::2]))
-        decode = total - waited
-        return {
-            "setup_s": run.setup_s, "prefill_s": waited + beside, "prefill_beside_s": beside,
-            "decode_s": decode, "decode_steps": run.steps,
-            "decode_step_ms": 1000 * decode / max(run.steps, 1),
-            "busy_slot_fraction": run.live_steps / max(run.slot_steps, 1),
-            "refills": run.refills, "refilled_sequences": run.refilled,
-            "compactions": run.compactions, "prompt_width": run.width,
-            **self._pool_timing(run),
-        }
-
-    def _pool_timing(self, run: _Run) -> dict[str, float]:
-        if not isinstance(run.table, PagedSlotTable):
-            return {}
-        pages = run.table.pages
-        return {"preemptions": run.table.preemptions, "resumed_tokens": run.resumed_tokens,
-                "kv_pool_tokens": pages.usable * pages.page_size,
-                "kv_pool_peak_fraction": run.peak_pages / pages.usable}
+        return self._last_run.timing()
 
     def _kv_len(self, needed: int) -> int:
         if self.triton:  # the attention kernel reads its bound on the device: one graph for all steps
             return self._batch.length
         return min(math.ceil(needed / self.kv_block) * self.kv_block, self._batch.length)
-
-
-def _mark(cuda: bool):
-    """A point in time: a CUDA event recorded on the current stream, or the host clock."""
-    if not cuda:
-        return time.perf_counter()
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event
-
-
-@contextlib.contextmanager
-def _on(stream: torch.cuda.Stream | None) -> Iterator[None]:
-    """Work issued inside runs on ``stream`` (None: where it would anyway)."""
-    if stream is None:
-        yield
-        return
-    with torch.cuda.stream(stream):
-        yield
-
-
-def _seconds(start, end) -> float:
-    """Between two ``_mark``s: CUDA events (recorded, and done) or host clocks."""
-    return start.elapsed_time(end) / 1000 if isinstance(start, torch.cuda.Event) else end - start
-
-
-def prefill_parts(starts: list[int], budget: int) -> list[list[int]]:
-    """Admitted sequences (positions each starts with; 0: unknown, a prompt) in runs of at most
-    ``budget`` padded positions (a run's rows x its longest), in admission order, each at least
-    one sequence: a prefill of many resumed sequences would otherwise hold all their activations
-    and keys at once."""
-    parts: list[list[int]] = []
-    longest = 0
-    for i, tokens in enumerate(starts):
-        if parts and (len(parts[-1]) + 1) * max(longest, tokens) <= budget:
-            parts[-1].append(i)
-            longest = max(longest, tokens)
-        else:
-            parts.append([i])
-            longest = tokens
-    return parts
-
-
-def with_responses(ids: Tensor, mask: Tensor, responses: list[Tensor | None]) -> tuple[Tensor, Tensor]:
-    """Left-padded prompts [n, W] with each row's response tokens (None: none) appended after its
-    prompt, left-padded again to one width: what a resumed sequence prefills."""
-    lengths = [0 if r is None else r.numel() for r in responses]
-    extra = max(lengths)
-    out_ids = torch.zeros((ids.shape[0], ids.shape[1] + extra), dtype=ids.dtype, device=ids.device)
-    out_mask = torch.zeros_like(out_ids, dtype=mask.dtype)
-    for i, (response, n) in enumerate(zip(responses, lengths)):
-        lead = extra - n
-        out_ids[i, lead : lead + ids.shape[1]] = ids[i]
-        out_mask[i, lead : lead + ids.shape[1]] = mask[i]
-        if n:
-            out_ids[i, lead + ids.shape[1]:] = response.to(ids.device)
-            out_mask[i, lead + ids.shape[1]:] = 1
-    return out_ids, out_mask
-
-
-def _valid_rows(mask: Tensor, last: Tensor, width: int, buf: _Batch) -> Tensor:  # [n, width], [n] -> [n, length] bool
-    """Admitted rows' valid flags: prompt column ``width - 1 - last + p`` at position p (the row's
-    last prompt token at slot ``last``), nothing after: a whole row, so nothing of the slot's last
-    sequence stays visible."""
-    if buf.table is None:  # slots: every row's prompt sits at [0, width)
-        valid = torch.zeros(mask.shape[0], buf.length, dtype=torch.bool, device=mask.device)
-        valid[:, :width] = mask.bool()
-        return valid
-    columns = torch.arange(buf.length, device=mask.device) + (width - 1 - last)[:, None]
-    return mask.bool().gather(1, columns.clamp(max=width - 1)) & (columns < width)
-
-
-@dataclass
-class _Staged:
-    """A prefill issued but not yet placed into its rows (``FastEngine._prefill_forward``)."""
-
-    slots: list[int]
-    sequences: list[int]
-    rows: Tensor  # the slots, on the device
-    new: tuple[Tensor, Tensor, Tensor] | None = None  # rows, seeds, budgets of new sequences
-    resumed: tuple[Tensor, list[Tensor]] | None = None  # rows and saved decoder rows of preempted ones
-    width: int = 0  # the prefilled columns
-    last: list[int] = field(default_factory=list)  # each row's slot of its last prefilled token
-    last_slot: Tensor | None = None  # the same, on the device
-    placement: tuple[Tensor, Tensor] | None = None  # paged: where the prompt K/V go in the pool
-    masks: dict[str, Tensor] = field(default_factory=dict)  # per model: its attention mask
-    forwards: dict[str, tuple[Tensor, object]] = field(default_factory=dict)  # per model: logits, cache
-
-
-class _Run:
-    """The bookkeeping of one ``generate``: the decoder, the slot table, and what timing reports."""
-
-    def __init__(self, decoder: TandemDecoder, table: SlotTable, clock: _PhaseClock, timer: RefillTimer):
-        self.decoder, self.table, self.clock, self.timer = decoder, table, clock, timer
-        self.prefills: list = []  # start/end marks of every prefill the decode waited for
-        self.refills_timed = 1  # prefills whose time the timer has had (the first admission: not a refill)
-        self.beside: list = []  # start/end marks of the forwards of prefills run beside a decode chunk
-        self.beside_timed = 0
-        self.chunk_start = None  # a mark queued before the current chunk's steps
-        self.in_flight: list[_Staged] = []  # staged prefills the device may still read
-        self.setup_s = 0.0
-        self.steps = self.slot_steps = self.live_steps = 0
-        self.refills = self.compactions = 0
-        self.refilled = 0  # sequences admitted by refills
-        # preempted sequence -> (its saved decoder rows, ``per_row`` order; the tokens it wrote)
-        self.paused: dict[int, tuple[list[Tensor], Tensor]] = {}
-        self.resumed_tokens = 0  # response tokens prefilled again when preempted sequences resumed
-        self.width = 0
-        self.peak_pages = 0  # paged pool: the most pages held at once
