@@ -22,6 +22,17 @@ SMALL_ALPHABET = "abcde .\n"
 torch.set_num_threads(1)  # the CI machine is small and shared; tiny models gain nothing from threads
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` are reported skipped where no CUDA device is present: one rule for
+    every GPU test, so ``python -m pytest -m gpu`` on a GPU machine runs exactly them."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="gpu: needs a CUDA device (run `python -m pytest -m gpu` on a GPU machine)")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO_ROOT

@@ -27,7 +27,7 @@ def tiny_llama(tied: bool, seed: int = 0) -> nn.Module:
     return LlamaForCausalLM(config).float()
 
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def same(actual: torch.Tensor, expected: torch.Tensor, device: str, name: str) -> None:

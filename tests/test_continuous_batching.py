@@ -274,7 +274,7 @@ def cuda_pair(vocab: int, pair: str):
     return senior.cuda(), build("llama", vocab, 32, 1, seed=1).cuda()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs of the batch ladder and the Triton kernels need a GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("pair", ["plain", "hybrid-llama"])
 def test_continuous_batching_on_cuda_graphs_and_triton_kernels_equals_all_at_once(tokenizer, pair):
     """The GPU path: one captured graph per ladder size, per-row slots in the Triton attention
@@ -436,7 +436,7 @@ def test_the_pool_is_sized_in_gib_from_both_models_bytes_per_token(tokenizer, pl
     assert engine.last_timing()["kv_pool_tokens"] == (pool.shape[0] - 1) * 8  # the scratch page aside
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and the paged Triton attention kernels need a GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("pair", ["plain", "hybrid-llama"])
 @pytest.mark.parametrize("pool", [dict(kv_page_size=16), SMALL_POOL], ids=["roomy", "preempting"])
 def test_paged_cache_on_cuda_graphs_and_triton_kernels_equals_the_slot_cache(tokenizer, pair, pool):

@@ -168,7 +168,7 @@ def test_the_triton_scan_equals_the_torch_scan_in_the_interpreter():
     print(f"interpreted in {time.perf_counter() - start:.1f} s")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 def test_the_compiled_rule_equals_transformers_at_the_9b_shape():
     # Qwen3.5-9B's linear attention: 32 value heads of 128, its 16 key heads repeated to 32 before
     # the rule (transformers 5.17's layer does that; later versions' rules repeat them inside and

@@ -20,7 +20,7 @@ from tandem_lit.rollout.record import Author, PromptBatch
 from tandem_lit.rollout.sampling import SamplingConfig, sequence_seeds
 from tandem_lit.rollout.static import FastEngine
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 PROMPTS = ["Q: 2+3?\nA:", "Hi", "The quick brown fox jumps over", "1. a\n\n2."]
 
 
@@ -215,7 +215,7 @@ def test_release_frees_the_caches_and_the_next_rollout_is_the_same(tokenizer, de
     assert fast.last_timing()["setup_s"] > 0  # re-allocated (and re-captured on GPU)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels need a GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
 def test_triton_kernels_match_torch_path(tokenizer, arch):
     senior = build(arch, len(tokenizer), 128, 2, seed=0).cuda()
@@ -241,7 +241,7 @@ def test_triton_kernels_match_torch_path(tokenizer, arch):
     torch.testing.assert_close(a.senior_logprobs[:, 1], b.senior_logprobs[:, 1], atol=0.05, rtol=0.05)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels need a GPU")
+@pytest.mark.gpu
 def test_fused_sampler_matches_torch_sampling_at_full_vocabulary():
     from tandem_lit.rollout.sampling import sample_tokens, uniform
     from tandem_lit.rollout.static import kernels
@@ -267,7 +267,7 @@ def test_fused_sampler_matches_torch_sampling_at_full_vocabulary():
                                (senior / 0.6).log_softmax(-1).gather(-1, token[:, None]).squeeze(-1), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the side stream needs a GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("cuda_graphs", [True, False])
 def test_junior_on_a_side_stream_gives_the_same_rollouts(tokenizer, cuda_graphs):
     senior = build("qwen3", len(tokenizer), 128, 2, seed=0).cuda().to(torch.bfloat16)

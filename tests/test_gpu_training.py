@@ -25,7 +25,7 @@ from tandem_lit.training.settings import MemorySettings
 from tandem_lit.verifiers.base import Grade, Verifier
 from tests.conftest import grouped_settings
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu
 
 
 class HasSpaceVerifier(Verifier):

@@ -182,7 +182,7 @@ def test_default_engine_is_the_fast_engine_for_qwen35(models):
     assert isinstance(default_engine(models["hybrid"], models["small_hybrid"]), FastEngine)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels need a GPU")
+@pytest.mark.gpu
 def test_the_triton_step_equals_the_torch_step(tokenizer, models):
     """A linear-attention layer's two Triton kernels (convolution; normalisation, recurrence, gated
     norm) and a full-attention layer's kernel against their torch steps, states and caches

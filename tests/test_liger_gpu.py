@@ -34,7 +34,7 @@ from tests.conftest import grouped_settings, ragged_rollout
 from tests.test_gpu_training import HasSpaceVerifier, Rows
 
 pytestmark = [
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.gpu,
     pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is None, reason="needs liger-kernel"),
     pytest.mark.usefixtures("in_repo"),
     pytest.mark.filterwarnings(r"ignore:.*module\(s\) in eval mode"),

@@ -163,7 +163,7 @@ def test_a_packed_pass_laid_out_from_host_lengths_reads_nothing_back():
     assert torch.equal(expected, completion_logprobs(llama, rollout, TEMPERATURE, packed=True))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.gpu
 def test_the_cuda_varlen_kernel_equals_the_block_masked_sdpa_in_bf16():
     """On a GPU: packed rows through PyTorch's variable-length flash kernel (grouped-query heads)
     give the log-probs and gradients of packed rows under sdpa's block-diagonal mask, to bf16 rounding."""

@@ -25,13 +25,11 @@ def test_qlora_without_bitsandbytes_is_a_one_line_error(tmp_path, capsys, monkey
     assert "needs bitsandbytes" in error and "pip install 'tandem-lit[qlora]'" in error and "load_in_4bit: false" in error
 
 
-needs_gpu_and_bnb = pytest.mark.skipif(
-    not torch.cuda.is_available() or importlib.util.find_spec("bitsandbytes") is None,
-    reason="QLoRA needs a CUDA GPU and bitsandbytes",
-)
+needs_bnb = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="QLoRA needs bitsandbytes")
 
 
-@needs_gpu_and_bnb
+@pytest.mark.gpu
+@needs_bnb
 def test_qlora_trains_on_gpu_and_the_fast_engine_decodes_the_merged_dequantised_copy(tmp_path):
     import lightning as L
     from peft.utils.integrations import dequantize_module_weight

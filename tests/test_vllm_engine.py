@@ -339,9 +339,12 @@ def test_release_then_generate_decodes_the_current_weights(stand_in_vllm, tokeni
 
 # ----------------------------------------------------------------------------- real vLLM, GPU
 
-gpu = pytest.mark.skipif(
-    not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None, reason="needs a GPU and vLLM"
-)
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
+
+
+def gpu(test):
+    """A test of the real vLLM: on a GPU machine (the ``gpu`` marker), with vLLM installed."""
+    return pytest.mark.gpu(needs_vllm(test))
 # vLLM's float32 attention (its Triton kernel) takes dot products in TF32: scores differ from the
 # transformers forward by ~1e-3 relative, so a greedy near-tie may break the other way
 NEAR_TIE = 2e-3
