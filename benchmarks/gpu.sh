@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# The GPU runs behind docs/performance.md, and the GPU tests, by name: a lent machine's minutes go to
+# measuring. Each stage writes its log (and JSON where the script has one) under $OUT.
+#
+#     OUT=/tmp/out TOKENIZER=<qwen3 tokenizer> PROBLEMS=<deepscaler_subset_803.json> bash benchmarks/gpu.sh STAGE...
+#     bash benchmarks/gpu.sh            # lists the stages
+#
+# TOKENIZER and PROBLEMS default to ../shared (the developers' checkout), WHEELS to .whl: wheels
+# installed first into /tmp/site where the machine lacks them (jsonargparse, liger-kernel, vLLM, ...).
+# The training-step stages run two warm-up steps: the first offload of the optimizer state pins its
+# host buffers once, which belongs to no steady-state step. A new figure for the page: copy the
+# stage's .json and .txt into docs/results/, add the run to docs/results/manifest.json, then run
+# python benchmarks/performance_page.py.
+set -o pipefail
+cd "$(dirname "$0")/.."
+STAGES="gpu-tests rollout-fixed rollout-fixed-1024 rollout-fixed-qwen35 rollout-lognormal-64 rollout-lognormal-128
+rollout-lognormal-paged rollout-lognormal-qwen35-solo rollout-lognormal-qwen35-tandem step-tandem-fixed step-lognormal
+step-grpo-lognormal step-grpo-lognormal-packed step-qlora-fixed step-grpo-config step-grpo-vllm step-qwen35-lora"
+if [ $# -eq 0 ]; then echo "stages:" $STAGES; exit 0; fi
+OUT=${OUT:?set OUT to a folder for the logs}
+TOKENIZER=${TOKENIZER:-../shared/models/qwen3-tokenizer}
+PROBLEMS=${PROBLEMS:-../shared/data/deepscaler/train/deepscaler_subset_803.json}
+WHEELS=${WHEELS:-.whl}
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+if compgen -G "$WHEELS/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
+    || { echo "installing $WHEELS failed"; exit 1; }
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD  # the scripts import tandem_lit from this checkout, installed or not
+fi
+LOGNORMAL="lognormal:median=1000,sigma=0.8,cap=3000"
+STEP=(python3 benchmarks/train_step.py --tokenizer "$TOKENIZER" --problems "$PROBLEMS")
+ROLLOUT=(python3 benchmarks/rollout.py --device cuda)
+VLLM_ENV=(env VLLM_USE_FLASHINFER_SAMPLER=0)  # vLLM unpacked into /tmp/site first (../shared/vllm/README.md)
+
+stage() {  # name, seconds allowed, command...
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name $(date +%T): $*"
+  timeout -s KILL "$limit" "$@" 2>&1 | tee "$OUT/$name.txt"
+  echo "=== $name rc=$? $(date +%T)"
+}
+
+for name in "$@"; do
+  case $name in
+    # every test marked gpu: FastEngine's CUDA graphs and Triton kernels, the update on the GPU, Liger, vLLM
+    gpu-tests) stage "$name" 590 python3 -m pytest -q -p no:cacheprovider -m gpu;;
+    # rollout tokens/s at fixed lengths: Qwen3-4B / 1.7B, naive loop, HF generate, FastEngine solo and tandem
+    rollout-fixed) stage "$name" 590 "${ROLLOUT[@]}" --batches 16 64 256 --new-tokens 256 --baseline-steps 256 \
+      --compare-overlap --json "$OUT/$name.json";;
+    rollout-fixed-1024) stage "$name" 590 "${ROLLOUT[@]}" --batches 16 64 256 --new-tokens 1024 --baseline-steps 128 \
+      --json "$OUT/$name.json";;
+    rollout-fixed-qwen35) stage "$name" 590 "${ROLLOUT[@]}" --models qwen35-9b-2b --batches 16 64 --new-tokens 256 \
+      --json "$OUT/$name.json";;
+    # rollout tokens/s at long-tailed lengths: FastEngine static and continuous against vLLM, 64 and 128 at once
+    rollout-lognormal-64) stage "$name" 590 "${VLLM_ENV[@]}" "${ROLLOUT[@]}" --batches 64 --queue 1 --lengths "$LOGNORMAL" \
+      --vllm --vllm-kwargs '{"kv_cache_gib": 40}' --json "$OUT/$name.json";;
+    rollout-lognormal-128) stage "$name" 590 "${VLLM_ENV[@]}" "${ROLLOUT[@]}" --batches 128 --queue 1 --lengths "$LOGNORMAL" \
+      --vllm --vllm-kwargs '{"kv_cache_gib": 60}' --json "$OUT/$name.json";;
+    rollout-lognormal-paged) stage "$name" 590 "${ROLLOUT[@]}" --batches 128 --queue 1 --lengths "$LOGNORMAL" \
+      --kv-cache slots paged --skip-static --json "$OUT/$name.json";;
+    # the Qwen3.5 9B/2B pair: a step's 128 rollouts, 64 at once, static against continuous, one policy a call
+    rollout-lognormal-qwen35-solo|rollout-lognormal-qwen35-tandem) stage "$name" 590 "${ROLLOUT[@]}" --models qwen35-9b-2b \
+      --batches 64 --queue 2 --lengths "$LOGNORMAL" --policies "${name##*-}" --json "$OUT/$name.json";;
+    # step time, peak memory and the update's MFU of the shipped configs
+    step-tandem-fixed) stage "$name" 590 "${STEP[@]}" --config configs/rlvr/qwen3_4b_tandem.yaml --arms tandem \
+      --warmup-steps 2 --json "$OUT/$name.json";;
+    step-lognormal) stage "$name" 590 "${STEP[@]}" --config configs/rlvr/qwen3_4b_tandem.yaml --arms tandem grpo \
+      --lengths "$LOGNORMAL" --warmup-steps 2 --json "$OUT/$name.json";;
+    step-grpo-lognormal) stage "$name" 590 "${STEP[@]}" --config configs/rlvr/qwen3_4b_tandem.yaml --arms grpo \
+      --lengths "$LOGNORMAL" --warmup-steps 2 --json "$OUT/$name.json";;
+    step-grpo-lognormal-packed) stage "$name" 590 "${STEP[@]}" --config configs/rlvr/qwen3_4b_tandem.yaml --arms grpo \
+      --lengths "$LOGNORMAL" --warmup-steps 2 --pack-sequences --json "$OUT/$name.json";;
+    # QLoRA: carry the bitsandbytes wheel in $WHEELS
+    step-qlora-fixed) stage "$name" 590 "${STEP[@]}" --config configs/rlvr/qwen3_4b_tandem.yaml --arms tandem --lora 16 \
+      --qlora --warmup-steps 1 --json "$OUT/$name.json";;
+    step-grpo-config) stage "$name" 590 "${STEP[@]}" --config configs/rlvr/qwen3_4b_grpo.yaml --arms grpo \
+      --warmup-steps 2 --json "$OUT/$name.json";;
+    step-grpo-vllm) stage "$name" 590 "${VLLM_ENV[@]}" "${STEP[@]}" --config configs/rlvr/qwen3_4b_grpo_vllm.yaml \
+      --arms grpo grpo-vllm --lengths "$LOGNORMAL" --warmup-steps 2 --json "$OUT/$name.json";;
+    step-qwen35-lora) stage "$name" 590 "${STEP[@]}" --config configs/rlvr/qwen35_9b_2b_tandem.yaml --arms tandem --lora 16 \
+      --gradient-checkpointing --warmup-steps 1 --json "$OUT/$name.json";;
+    *) echo "unknown stage $name; stages: $STAGES"; exit 2;;
+  esac
+done
