@@ -103,11 +103,11 @@ def test_train_step_benchmark_vllm_arm_without_vllm_is_one_line(repo_root):
 
 
 def test_activation_bytes_counts_what_each_layer_type_saves(repo_root, monkeypatch):
-    """The calibration script behind docs/benchmarks.md's activation numbers, on tiny Qwen3.5
+    """The calibration script behind the memory estimate's activation weights (dev/benchmarks/activation_bytes.py), on tiny Qwen3.5
     shapes: both layer types are measured, and what a layer saves grows with the tokens."""
     from transformers import Qwen3_5TextConfig
 
-    monkeypatch.syspath_prepend(str(repo_root / "benchmarks"))
+    monkeypatch.syspath_prepend(str(repo_root / "dev" / "benchmarks"))
     from activation_bytes import measure
 
     config = Qwen3_5TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -123,12 +123,12 @@ def test_activation_bytes_counts_what_each_layer_type_saves(repo_root, monkeypat
 
 
 def test_logp_gap_benchmark_tiny(repo_root, tmp_path):
-    """benchmarks/logp_gap.py (issue 26) on a tiny Qwen3.5 on the CPU: every score is made, the
+    """dev/benchmarks/logp_gap.py on a tiny Qwen3.5 on the CPU: every score is made, the
     engine's teacher-forced decode step reproduces its own log-probs, and the training forward is
-    closer to the engine than it was without this issue's changes."""
+    closer to the engine than it was before the two sides rounded alike."""
     out = tmp_path / "gap.json"
     subprocess.run(
-        [sys.executable, "benchmarks/logp_gap.py", "--shape", "tiny-qwen35", "--rows", "2", "--tokens", "96",
+        [sys.executable, "dev/benchmarks/logp_gap.py", "--shape", "tiny-qwen35", "--rows", "2", "--tokens", "96",
          "--threads", "1", "--json", str(out)],
         cwd=repo_root, check=True, timeout=300,
     )
@@ -221,11 +221,11 @@ def test_train_step_estimate_only_sizes_a_paged_pool_as_an_h200_would(repo_root,
 
 
 def test_delta_rule_cost_times_each_solve_and_the_scan_apart(repo_root):
-    """benchmarks/delta_rule_cost.py on the CPU: the rules (transformers' under autocast and in
+    """dev/benchmarks/delta_rule_cost.py on the CPU: the rules (transformers' under autocast and in
     float32, ours, ours solving through inverses), the inverse's distance from ours, and the
     first phase / scan split the GPU run decides the default solve from."""
     pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
-    run = subprocess.run([sys.executable, "benchmarks/delta_rule_cost.py", "--device", "cpu", "--tokens", "128"],
+    run = subprocess.run([sys.executable, "dev/benchmarks/delta_rule_cost.py", "--device", "cpu", "--tokens", "128"],
                          cwd=repo_root, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.strip().splitlines()

@@ -117,7 +117,7 @@ def test_rlvr_configs_hold_the_paper_numbers(config, capsys):
     assert {"p": 0.5, "first_author": "senior", "max_spans": 150}.items() <= model["test_handoff"]["init_args"].items()
     if config == TANDEM:
         assert model["senior"]["path"] == model["junior"]["path"] == "Qwen/Qwen3-4B-Instruct-2507"
-        # the setting measured at long-tailed lengths (docs/benchmarks.md): every rollout of a step
+        # the setting measured at long-tailed lengths (docs/performance.md): every rollout of a step
         # decoding at once from a paged pool, update passes filled to the token bound
         engine = resolved["model"]["init_args"]["engine"]
         assert engine["class_path"].endswith("FastEngine")

@@ -153,7 +153,7 @@ def test_liger_kernels_equal_pytorch_in_float32():
 @needs_liger
 def test_a_norm_whose_input_and_weight_share_a_dtype_runs_torchs_fused_op(monkeypatch):
     """The float32 residual stream's norms run torch's ``rms_norm`` (a forward and backward a
-    quarter of Liger's time on an H200, docs/benchmarks.md) and equal transformers' norm; a bf16
+    quarter of Liger's time on an H200, dev/log.md) and equal transformers' norm; a bf16
     input with a float32 weight (q/k norms under autocast) goes to Liger's kernel."""
     import liger_kernel.ops.rms_norm as liger_norm
 
@@ -174,10 +174,10 @@ def test_a_norm_whose_input_and_weight_share_a_dtype_runs_torchs_fused_op(monkey
 
 @pytest.mark.parametrize("shape", [[], ["--completions", "3000", "2000", "1000"]], ids=["one-row", "unequal-rows"])
 def test_update_kernels_benchmark_tiny(shape):
-    """benchmarks/update_kernels.py end to end on the CPU (PyTorch's path only), so the script the
+    """dev/benchmarks/update_kernels.py end to end on the CPU (PyTorch's path only), so the script the
     GPU numbers come from cannot rot unnoticed; with --completions, one pass of unequal rows padded
     to the longest (scaled to the tiny model's 24 tokens)."""
-    run = subprocess.run([sys.executable, "benchmarks/update_kernels.py", "--device", "cpu", "--tiny", *shape], cwd=REPO_ROOT,
+    run = subprocess.run([sys.executable, "dev/benchmarks/update_kernels.py", "--device", "cpu", "--tiny", *shape], cwd=REPO_ROOT,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "off: trained pass" in run.stdout and run.stdout.strip().splitlines()[-1].startswith("off_update_s=")

@@ -88,7 +88,7 @@ def test_a_paged_pool_is_counted_and_sized_to_what_fits():
 
 def test_hybrid_layers_count_what_their_torch_fallback_saves():
     """Qwen3.5's Gated DeltaNet layers save ~3x a Llama block's bytes per token and its gated
-    attention ~1.5x (benchmarks/activation_bytes.py): the estimate weights each layer by its type,
+    attention ~1.5x (dev/benchmarks/activation_bytes.py): the estimate weights each layer by its type,
     and under checkpointing the recomputed layer is the largest."""
     from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
 

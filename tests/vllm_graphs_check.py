@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.logp_gap import mean_by_quarter  # noqa: E402
+from dev.benchmarks.logp_gap import mean_by_quarter  # noqa: E402
 from tandem_lit.models.tiny import char_tokenizer  # noqa: E402
 from tandem_lit.rollout.handoff import SoloHandoff  # noqa: E402
 from tandem_lit.rollout.logprobs import completion_logprobs  # noqa: E402
