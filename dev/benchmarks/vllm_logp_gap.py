@@ -43,8 +43,16 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
-from dev.benchmarks.logp_gap import SHAPES, NullTokenizer, build, engine_rollout, forward_logprobs, mean_by_quarter, prompts  # noqa: E402
 from benchmarks.rollout import draw_budgets, parse_lengths  # noqa: E402
+from dev.benchmarks.logp_gap import (  # noqa: E402
+    SHAPES,
+    NullTokenizer,
+    build,
+    engine_rollout,
+    forward_logprobs,
+    mean_by_quarter,
+    prompts,
+)
 from tandem_lit.rollout.handoff import SoloHandoff  # noqa: E402
 from tandem_lit.rollout.record import PromptBatch, Rollout  # noqa: E402
 from tandem_lit.rollout.sampling import SamplingConfig  # noqa: E402
