@@ -50,8 +50,8 @@ def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
 # the values and for the decayed keys (two solves of V and K right-hand sides, as transformers),
 # ``inverse`` solves it once against the identity (C right-hand sides) and multiplies the two by
 # that inverse, as flash-linear-attention's kernels do. Same result to float32 rounding
-# (tests/test_delta_scan.py); ``inverse`` is the default: 51.7 vs 55.0 ms per 9B layer, forward +
-# backward, on an H200 (benchmarks/delta_rule_cost.py, docs/results/delta_rule_cost_h200_inverse.txt).
+# (tests/test_delta_scan.py); ``inverse`` is the default, the faster of the two for a 9B layer's
+# forward + backward (dev/benchmarks/delta_rule_cost.py, dev/log.md).
 SOLVES = ("triangular", "inverse")
 SOLVE = "inverse"
 

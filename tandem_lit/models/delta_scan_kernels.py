@@ -22,10 +22,10 @@ from torch import Tensor
 DOT_PRECISION = "ieee"
 BLOCK_V = 16  # value columns per program: 8 blocks x 32 heads x 2 rows = 512 programs at the 9B's shape
 # Triton's default of 3 pipeline stages asks 256 KiB of shared memory for the forward (320 KiB for
-# the backward) at K = 128, over Hopper's 227 KiB (it failed on the H200); one stage needs 48 / 72
+# the backward) at K = 128, over Hopper's 227 KiB (the first compile failed there); one stage needs 48 / 72
 # KiB, which also fits an A100 (compiled for sm_90 on the CPU: metadata.shared)
 NUM_STAGES = 1
-NUM_WARPS = 8  # with BLOCK_V 16: 2.9x faster than 32 x 4 warps on the H200 (benchmarks/delta_scan_tune.py)
+NUM_WARPS = 8  # with BLOCK_V 16 the fastest IEEE float32 setting tried (dev/benchmarks/delta_scan_tune.py, dev/log.md)
 
 
 @triton.jit
@@ -150,7 +150,7 @@ def scan_triton(q: Tensor, k: Tensor, u: Tensor, w: Tensor, attn: Tensor, decay:
                 initial_state: Tensor | None, block_v: int = BLOCK_V, dot: str = DOT_PRECISION,
                 num_warps: int = NUM_WARPS) -> tuple[Tensor, Tensor]:
     """``delta_scan.scan_reference``'s contract ([B, H, N, C, *] in, o and final state out) on the kernels.
-    ``block_v``, ``dot`` (Triton's ``input_precision``) and ``num_warps``: benchmarks/delta_scan_tune.py."""
+    ``block_v``, ``dot`` (Triton's ``input_precision``) and ``num_warps``: dev/benchmarks/delta_scan_tune.py."""
     batch, heads, chunks, chunk, k_dim = q.shape
     flat = [x.flatten(0, 1).contiguous() for x in (q, k, u, w, attn, decay)]
     state = None if initial_state is None else initial_state.flatten(0, 1).contiguous()

@@ -5,8 +5,8 @@ elementwise kernels, each a round trip through GPU memory, and their backward pa
 them; liger-kernel (``pip install 'tandem-lit[liger]'``, pinned to 0.8.5) runs each as one Triton
 kernel per direction. Its fused linear cross-entropy (``reduction="none"``) gives each token's
 ``-log p`` without materialising the [tokens, vocabulary] logits, in place of our chunked head
-(``rollout.logprobs.completion_logprobs(fused=True)``). Which of them pay on an H200 is in
-docs/benchmarks.md ("Liger-Kernel in the update").
+(``rollout.logprobs.completion_logprobs(fused=True)``). Which of them pay is in dev/log.md;
+the update's MFU with them is on docs/performance.md.
 
 Only the senior's own module instances change: the junior, a frozen reference copy and the
 engine's rollout copy (built from the config, not copied) keep transformers' code, so rollouts do
@@ -199,9 +199,8 @@ def _rms_norm_forward(self, hidden_states: Tensor) -> Tensor:
     if offset == 0.0 and hidden_states.dtype == self.weight.dtype:
         # where the input and the weight share a dtype (the float32 residual stream's norms under
         # autocast) transformers' norm is ``w * x * rsqrt(mean(x^2) + eps)`` in that dtype, which
-        # is torch's own fused op: on an H200 (torch 2.11, float32 [4,096, 2,560]) a forward and
-        # backward of it took 137 us against Liger's 562 us, most of those Liger's Python-side
-        # launch (docs/benchmarks.md, "RMSNorm per call"). A bf16 input with a float32 weight
+        # is torch's own fused op, several times faster a call than Liger's norm, whose
+        # Python-side launch is most of its time at these shapes (dev/log.md). A bf16 input with a float32 weight
         # (q/k norms) rounds before the weight: Liger's ``llama`` casting does that
         return nn.functional.rms_norm(hidden_states, (hidden_states.shape[-1],), self.weight, eps)
     return LigerRMSNormFunction.apply(hidden_states, self.weight, eps, offset, casting, in_place, None)
@@ -255,8 +254,8 @@ def liger_logprobs(
 
     The softmax is limited to ``vocab`` by a bias of -1e9 on the head's other rows, not by slicing
     the weight: a slice of 151,669 of Qwen's 151,936 rows gives the logits an odd row stride,
-    which cuBLAS cannot feed to the H100/H200's TMA kernels, so it falls back to sm75 kernels at
-    about a third of their speed (28% of an update's GPU time on an H200, profiled).
+    which cuBLAS cannot feed to Hopper's TMA kernels, so it falls back to sm75 kernels at about a
+    third of their speed (a large share of an update's GPU time, profiled: dev/log.md).
 
     Our chunked head rounds the logits to the compute dtype and then divides by the temperature;
     here the hidden states are divided first (the kernel has no temperature), so under bf16 the

@@ -1,9 +1,8 @@
 """Packed update passes through flash attention's variable-length kernel, with nothing beyond PyTorch.
 
 transformers keeps packed sequences apart by position ids restarting at 0: under ``sdpa`` it builds
-a block-diagonal [L, L] mask, which takes scaled-dot-product attention off its flash kernel (on an
-H200 the packed GRPO update at lognormal lengths was slower than padded rows for it, 29.8 vs 26.5
-s), and finding the restarts reads a device value back (a sync per forward). PyTorch's own
+a block-diagonal [L, L] mask, which takes scaled-dot-product attention off its flash kernel (the packed
+update was slower than padded rows for it: dev/log.md), and finding the restarts reads a device value back (a sync per forward). PyTorch's own
 ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10) runs the flash kernel over sequences
 given by cumulative lengths, which the update knows on the host.
 

@@ -26,8 +26,8 @@ def default_engine(senior: nn.Module, junior: nn.Module | None) -> RolloutEngine
             decoder_model(junior)
     except ConfigError as reason:
         log.warning(
-            "FALLING BACK to HFEngine, the per-token reference loop (4.6-12x slower rollouts than FastEngine on a "
-            "GPU, docs/benchmarks.md): %s. Set model.engine to choose the engine yourself.", reason,
+            "FALLING BACK to HFEngine, the per-token reference loop (rollouts many times slower than FastEngine's "
+            "on a GPU: docs/performance.md): %s. Set model.engine to choose the engine yourself.", reason,
         )
         return HFEngine()
     return FastEngine()

@@ -43,10 +43,9 @@ log = logging.getLogger(__name__)
 
 CHUNK_ELEMENTS = 2**28  # float logits per chunk (1 GiB)
 # where float32_delta_rule runs the delta rule's chunk loop as Triton kernels (models.delta_scan).
-# CUDA: on an H200 the compiled rule equals transformers' at the 9B's shape (tests/test_delta_scan.py)
-# and one layer's forward + backward takes 0.69x the float32 torch loop's time (55.0 vs 79.6 ms,
-# 2 x 4,096 tokens; benchmarks/delta_rule_cost.py, docs/benchmarks.md). The CPU keeps transformers'
-# torch loop (a launch costs nothing there).
+# CUDA: the compiled rule equals transformers' at the 9B's shape (tests/test_delta_scan.py) and a
+# layer's forward + backward is faster than the float32 torch loop's (dev/benchmarks/delta_rule_cost.py,
+# dev/log.md). The CPU keeps transformers' torch loop (a launch costs nothing there).
 TRITON_SCAN_DEVICES: frozenset[str] = frozenset({"cuda"})
 # attention implementations that turn restarting position ids into document-masked attention
 # (transformers 5: the mask functions of masking_utils, and flash attention's varlen path)
@@ -87,7 +86,7 @@ def embeddings_at_compute_precision(model: nn.Module) -> Iterator[None]:
     Autocast rounds every weight a matmul reads to bf16, but an embedding lookup is no matmul: the
     training forward would read the float32 master rows while the engine decodes from its bf16
     copy's. On a random Qwen3.5-9B shape that one difference is a fifth of the rollout-vs-train
-    log-prob gap (issue 26, benchmarks/logp_gap.py); FSDP2's bf16 compute gathers the rows in bf16
+    log-prob gap (dev/benchmarks/logp_gap.py); FSDP2's bf16 compute gathers the rows in bf16
     anyway. The residual stream stays float32, as autocast keeps it."""
 
     def rounded(module, args, out: Tensor) -> Tensor | None:
@@ -111,7 +110,7 @@ def float32_delta_rule() -> None:
     rounds to bf16 again, while FastEngine's recurrence runs in float32 (its state, decay and
     delta update): the two sides then drift apart layer after layer. With the embeddings matched
     too (``embeddings_at_compute_precision``) this halves the engine-vs-train gap of a random
-    32-layer Qwen3.5 (benchmarks/logp_gap.py, issue 26). Process-wide, not a context: activation
+    32-layer Qwen3.5 (dev/benchmarks/logp_gap.py). Process-wide, not a context: activation
     checkpointing recomputes the forward inside backward, which must compute what the forward did.
     Under no autocast (the engine's prefill, float32 training) it changes nothing on the CPU.
 
@@ -158,8 +157,8 @@ def completion_hidden_states(model: nn.Module, rollout: Rollout) -> Tensor:  # -
     real token then sees only real tokens of its own row, as with the left-padded prompt and a
     padding mask, and Qwen3.5's linear-attention layers (recurrence and causal conv, which only
     look back) need no mask either. Why: a padding mask takes scaled-dot-product attention off its
-    flash kernel; on an H200 a pass of 3 unequal rows spent 31 ms in attention backward against
-    8 ms for 3 equal rows of the same tokens without a mask. Assumes every prompt has a token and
+    flash kernel, and the attention backward of unequal rows took several times that of equal
+    rows of the same tokens without a mask (dev/log.md). Assumes every prompt has a token and
     completions are right-padded (``Rollout``); the hidden states at padding positions are some
     value, which callers mask. Rows are ``prompt_width + width`` positions wide, which is the
     longest row's length when the rollout is ``trimmed`` (as the update's passes are): the width

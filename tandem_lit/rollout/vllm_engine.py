@@ -142,8 +142,8 @@ class VLLMEngine(RolloutEngine):
         sleep_level: What ``release`` frees: 2 (default) drops the KV cache and the weights (the
             next ``load_weights``, which follows every update anyway, refills them; no host copy),
             1 drops the KV cache and moves the weights to host memory (the next wake copies them
-            back). Both free the same memory; on an H200 at the Qwen3-4B shape level 2 fell asleep
-            in 0.04 s and level 1 in 4.4 s (docs/vllm.md).
+            back). Both free the same memory; level 1's copy to the host makes it much slower to fall
+            asleep (docs/vllm.md).
         kv_cache_gib: vLLM's KV cache in GiB; ``plan``: what the training memory plan gives the
             rollout phase's KV caches (``rollout.batch_size`` sequences of ``max_prompt_tokens`` +
             ``max_new_tokens``: every sequence running at once can reach its cap), checked against

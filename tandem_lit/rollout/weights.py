@@ -133,7 +133,7 @@ def keeps_float32(model: nn.Module, name: str) -> bool:
     layers (Qwen3.5), the decay gates' ``A_log`` and ``dt_bias`` and every norm's weight. The
     training forward reads them in float32 under bf16 autocast (they enter no matmul); a bf16
     ``A_log`` alone moves every decay rate by up to 0.8% and a 4-layer model's log-probs by 0.02
-    nats (benchmarks/logp_gap.py). A few thousand numbers per layer."""
+    nats (dev/benchmarks/logp_gap.py). A few thousand numbers per layer."""
     if "linear_attention" not in (getattr(plain_model(model).config, "layer_types", None) or []):
         return False
     leaf = name.rsplit(".", 2)

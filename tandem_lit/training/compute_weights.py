@@ -3,7 +3,7 @@
 Under bf16 autocast over float32 weights, every forward casts each ``nn.Linear`` weight to bf16
 (16 GB read, 8 GB written for a 4B model), and each backward turns the bf16 weight gradient into a
 new float32 tensor (``ToCopyBackward``) that is then added to ``.grad``: about 96 GB of memory
-traffic per pass that does no arithmetic, ~27 ms a pass on an H200, and three kernel launches
+traffic per pass that does no arithmetic, and three kernel launches
 per linear layer. Megatron and verl keep bf16 compute weights and accumulate their gradients into
 float32 buffers instead. ``ComputeWeights`` does that for one update: it swaps each float32
 ``nn.Linear`` weight for a bf16 copy (made once), and a hook adds each pass's bf16 gradient of the

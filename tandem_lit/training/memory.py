@@ -21,7 +21,7 @@ counts then: the weight sync before the rollouts gathers the whole senior at onc
 (saved tensors of a Llama-family block under bf16
 autocast, counted per token; a hybrid model's layers weighted by what they were measured to save,
 ``HYBRID_LAYER_FACTORS``); ``benchmarks/train_step.py`` prints it next to the measured peak and
-``benchmarks/activation_bytes.py`` measures a layer's saved bytes against it.
+``dev/benchmarks/activation_bytes.py`` measures a layer's saved bytes against it.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ GIB = 1024**3
 FIXED_OVERHEAD = 3 * GIB  # CUDA context, cuBLAS workspaces, graph pools, allocator slack
 LOGIT_CHUNK_BYTES = 3 * GIB  # logprobs.CHUNK_ELEMENTS float32 logits, their log-softmax and its gradient
 # What a hybrid model's layers save per token over the Llama-block model below, as measured by
-# benchmarks/activation_bytes.py (bf16 autocast, 2,048 tokens, Qwen3.5-9B shapes, full weights and
-# LoRA): the Gated DeltaNet layer under transformers' torch fallback 2.8-3.0x, Qwen3.5's gated full
-# attention 1.25-1.5x. Without them a 9B LoRA step was estimated at 114 GiB and ran out of an H200.
+# dev/benchmarks/activation_bytes.py (bf16 autocast, Qwen3.5-9B shapes, the Gated DeltaNet layer
+# under transformers' torch fallback), each the larger of the full-weight and LoRA ratios: an
+# estimate that errs low lets a step run out of memory mid-run, as the 9B did (dev/log.md).
 HYBRID_LAYER_FACTORS = {"linear_attention": 3.0, "full_attention": 1.5}
 
 

@@ -125,8 +125,9 @@ class MemorySettings:
             phase, so the update's activations can use that memory (re-allocated and re-captured
             by the next rollout: ``train/rollout_setup_seconds``). Off: keep them (faster when
             both phases fit side by side).
-        offload_optimizer: Move the optimizer state to pinned host memory during rollouts (the
-            32 GB of a 4B model's AdamW state make room for KV caches; ~1.3 s each way).
+        offload_optimizer: Move the optimizer state to pinned host memory during rollouts, so
+            its room (AdamW's two float32 moments per trained weight) goes to KV caches; the copy
+            each way costs a little of every step (docs/performance.md).
         gradient_checkpointing: Recompute each decoder layer of the senior in the backward pass
             instead of keeping its activations (about a third more update compute).
         micro_batch_tokens: Bound each forward/backward pass by tokens (rows x padded length)
@@ -156,8 +157,8 @@ class MemorySettings:
         cast_weights_once: Under mixed precision, the update casts the senior's float32 linear
             weights to the compute dtype once per optimiser update (``training.compute_weights``)
             instead of autocast casting them in every forward pass, and each pass's gradient is
-            added straight into the float32 weights' ``.grad``: the same arithmetic, ~70% less
-            memory traffic outside the matmuls. Off: autocast's cast per forward.
+            added straight into the float32 weights' ``.grad``: the same arithmetic, far less memory
+            traffic outside the matmuls. Off: autocast's cast per forward.
         forward_only_pass_scale: How many times a training pass's rows and tokens
             (``update.micro_batch_size``, ``micro_batch_tokens``) a forward-only pass holds: the
             old and the reference log-probs keep no activations for a backward, so a pass of 4x

@@ -17,7 +17,7 @@ kernel launch gaps, host syncs. So:
   freed rows of preallocated static caches. Refills are amortised (``scheduler.RefillTimer``):
   freed slots wait until their idle decode time reaches a prefill's, so several share one. The
   decode waits for a refill's prefill; ``overlap_prefill: on`` runs it on a second stream beside
-  the next decode chunk instead (measured no faster: docs/benchmarks.md).
+  the next decode chunk instead (measured no faster: dev/log.md).
 - KV layout (``kv_cache``): ``slots`` gives every decode row its own cache of prompt + cap
   positions, so memory is rows x (prompt + cap) whatever the sequences use, and compaction copies
   cache rows. ``paged`` keeps one pool of fixed-size pages per layer and model and one block
@@ -169,8 +169,8 @@ class FastEngine(RolloutEngine):
             forwards on a second stream), its sequences decoding from the chunk after; ``off``
             (default): the decode waits for every refill. Speed only, as ``refill``. Off by
             default because it measured no gain: refills are amortised, so the waited-for
-            prefills are a few percent of a rollout, and a prefill beside a decode chunk slows
-            that chunk about as much as it saves (docs/benchmarks.md, "Prefill beside decode").
+            prefills are a small part of a rollout, and a prefill beside a decode chunk slows
+            that chunk about as much as it saves (dev/log.md).
             On the CPU nothing overlaps: ``on`` only defers admissions, as the CPU tests check.
         prefill_tokens: Padded positions one prefill call holds at most (rows x the longest):
             an admission of more runs as several prefills (resumed sequences prefill their

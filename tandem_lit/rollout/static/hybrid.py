@@ -24,7 +24,7 @@ A random Qwen3.5 carries any rounding difference through all its layers (a Qwen3
 so the decode step rounds where the training forward rounds under bf16 autocast over float32
 weights: the residual stream stays float32, norms and the delta rule compute in float32 and round
 once before a projection, and the rollout copy keeps ``A_log``, ``dt_bias`` and the norms' weights
-in float32 (``rollout.weights.keeps_float32``). Issue 26, ``benchmarks/logp_gap.py``.
+in float32 (``rollout.weights.keeps_float32``). ``dev/benchmarks/logp_gap.py`` takes the gap apart.
 """
 
 from __future__ import annotations

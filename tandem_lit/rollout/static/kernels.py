@@ -178,7 +178,7 @@ def rope_attention(
     """
     batch = q.shape[0]
     if block_n is None or num_warps is None:
-        # benchmarks/attention_tune.py on an H200 (Qwen3-4B heads): from batch 64 up, many
+        # tuned with dev/benchmarks/attention_tune.py at Qwen3-4B's heads: from batch 64 up, many
         # programs are in flight and small ones win; below, each program must pull more bytes
         block_n, num_warps = (64, 2) if batch >= 64 else (128, 4)
     out = torch.empty((batch, heads * head_dim), dtype=q.dtype, device=q.device)
@@ -401,7 +401,7 @@ def delta_rule_step(mixed: Tensor, a: Tensor, b: Tensor, z: Tensor, a_log: Tenso
     _delta_rule_kernel[(batch * heads,)](
         mixed, a, b, z, a_log, dt_bias, norm_weight, state, out,
         mixed.stride(0), a.stride(0), b.stride(0), z.stride(0), heads, heads // key_heads, key_heads * dk, eps,
-        # 4 warps: 117 -> 79 us at batch 64 x 32 heads x 128 x 128 on an H200 (8 warps spill)
+        # 4 warps: at 8 a program spills its 128 x 128 float32 state out of registers (dev/log.md)
         DK=dk, DV=dv, num_warps=num_warps,
     )
     return out
@@ -504,8 +504,8 @@ def gated_attention(
     position [B], slot [B] (each row's own), caches [Bcap, KV, S, D], valid [Bcap, S] bool -> [B, H*D], already gated.
     Paged: pools [pages, KV, page_size, D] read through ``table`` (as in ``rope_attention``).
     """
-    # tile size barely matters end to end (9B/2B batch-64 decode step 9.49 ms with block_n 32,
-    # 9.57 ms with 64, H200); alone the kernel times 90-150 us in benchmarks/hybrid_kernels.py
+    # the tile size barely moves the whole decode step (dev/log.md); the kernel alone is timed by
+    # dev/benchmarks/hybrid_kernels.py
     batch = q_and_gate.shape[0]
     out = torch.empty((batch, heads * head_dim), dtype=q_and_gate.dtype, device=q_and_gate.device)
     group = heads // kv_heads

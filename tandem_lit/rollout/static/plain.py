@@ -155,8 +155,8 @@ class StaticDecoderModel:
         hidden, cache = prefill_with_cache(self.decoder_stack, self.config, input_ids, attention_mask)
         last = hidden[:, -1:]  # what ``logits_to_keep=1`` hands the LM head (bit-equal to HFEngine on CPU)
         if last.is_cuda:
-            # on that strided view cuBLAS picked a kernel that took ~10 ms instead of ~0.2
-            # (H200, batch 64 x 128 prompt tokens; benchmarks/prefill.py)
+            # on that strided view cuBLAS picks a kernel far slower than on a contiguous copy
+            # (dev/benchmarks/prefill.py, dev/log.md)
             last = last.contiguous()
         return self.lm_head(last)[:, -1], cache
 

@@ -19,7 +19,7 @@ def batch_ladder(capacity: int, step: int = 8) -> list[int]:
     """Batch sizes a decode step is captured for, ascending: 1, 2, 4, then multiples of ``step``
     below ``capacity``, then ``capacity`` itself. Rungs ``step`` apart, not powers of two: a
     batch that waits for half its rows to finish before shrinking pays for up to half of it idle
-    (77% of the row-steps were live at 64 lognormal sequences on an H200, power-of-two rungs)."""
+    (a quarter of the row-steps went idle at 64 lognormal sequences with power-of-two rungs: dev/log.md)."""
     sizes = [size for size in (1, 2, 4) if size < min(step, capacity)]
     sizes += range(step, capacity, step)
     return [*sizes, capacity]
@@ -105,9 +105,10 @@ class RefillTimer:
 
     A refill's prefill costs about as much for one prompt as for eight: at a few prompts it is
     kernel launches, not FLOPs (thousands of small ones through Hugging Face's Qwen3.5 stack:
-    ~0.1 s a refill for the 9B on an H200, over ten decode steps of 64 rows), while an empty slot
-    costs 1/batch of each step it stays empty. Refilled as they freed up, the 128 lognormal
-    rollouts of a 9B/2B pair took 47 refills, 12-15% of the run (docs/benchmarks.md). ``amortized`` lets free slots wait until the
+    for the 9B, as long as several decode steps of a full batch), while an empty slot costs
+    1/batch of each step it stays empty. Refilled as they freed up, a step's long-tailed rollouts
+    of the 9B/2B pair spent a sizeable share of the run in refills' prefills (dev/log.md).
+    ``amortized`` lets free slots wait until the
     step time they have idled since the last refill adds up to the last refill's prefill time,
     then refills them together: the ski-rental rule, never worse than twice the best schedule in
     hindsight. It refills at once when every waiting sequence fits, when no slot is live, and
