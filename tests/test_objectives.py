@@ -114,6 +114,26 @@ def test_positive_only_seq_mean_counts_only_included_sequences():
     close(grad, [[-1 / 6] * 3, [0] * 3, [-1 / 6] * 3])
 
 
+@pytest.mark.parametrize("aggregation,counted,uncounted", [
+    ("seq-mean-token-mean", -1.0, -2 / 3),  # each counted row's mean is -1
+    ("seq-mean-token-sum", -2.0, -4 / 3),  # each counted row's sum is -2
+    ("seq-mean-token-sum-norm", -1.0, -4 / 6),  # -4 / (rows x 2 tokens)
+])
+def test_seq_mean_leaves_rows_without_weight_out_of_the_count(aggregation, counted, uncounted):
+    """GRPO on-policy (ratio 1), advantage +1 everywhere, junior_weight 0: every counted token's
+    loss is -1. Rows 0 and 1 are the senior's; row 2 is all the junior's, so all its tokens weigh
+    0. The seq-mean modes average over the 2 rows that carry weight (verl: -1.0 for
+    seq-mean-token-mean), not over 3 (-0.667), with or without a batch-wide LossScale."""
+    batch = inputs([0.0] * 3, logp=[[-1.0, -2.0], [-0.5, -0.1], [-3.0, -0.2]], author=[[S, S], [S, S], [J, J]],
+                   advantages=torch.ones(3))
+    objective = GRPO(aggregation=aggregation)
+    close(objective(batch)[0], counted)
+    scale = objective.loss_scale(batch.author, batch.advantages, max_tokens=2)
+    assert scale.sequences == 2
+    close(objective(batch, scale)[0], counted)
+    assert counted != pytest.approx(uncounted)  # (what counting row 2 gave)
+
+
 # -------------------------------------------------------------------------------------- GRPO
 
 
@@ -222,6 +242,26 @@ def test_grpo_kl_clamp_hand_computed():
     close(loss, (10 + k3_1) / 2, tol=1e-5)
     close(grad, [[0.0], [(1 - math.exp(-0.5)) / 2]], tol=1e-6)
     assert metrics["kl"] == pytest.approx((10 + k3_1) / 2, rel=1e-5)
+
+
+@pytest.mark.parametrize("advantage", [1.0, -1.0])
+def test_a_huge_log_ratio_is_clamped_to_a_finite_loss_and_gradient(advantage):
+    """Row 0's log-ratio is 100 (exp overflows float32), row 1's is 0. The log-ratio is clamped to
+    20 before exp, as verl clamps it: the loss and the gradient stay finite, the clamped token gets
+    no gradient (the clamp's), and the clamped share of the counted tokens is 1/2. With A = -1 the
+    PPO term of row 0 is e^20 (dual clip off), finite; row 1's gradient is -A r / 2."""
+    batch = inputs([0.0, 0.0], logp=[[100.0], [0.0]], author=[[S], [S]], old_logp=torch.zeros(2, 1),
+                   advantages=torch.full((2,), advantage))
+    loss, grad, metrics = loss_and_grad(GRPO(), batch)
+    assert math.isfinite(loss) and torch.isfinite(grad).all()
+    close(grad, [[0.0], [-advantage / 2]])
+    expected = (-1.2 - 1.0) / 2 if advantage > 0 else (math.exp(20.0) + 1.0) / 2
+    assert loss == pytest.approx(expected, rel=1e-5)
+    assert metrics["ratio_clamped_fraction"] == pytest.approx(0.5)
+    # the KL term's log-ratio too (k3 of ref - logp = 100 would be inf before its own clamp)
+    batch = inputs([0.0], logp=[[-100.0]], author=[[S]], ref_logp=torch.zeros(1, 1), advantages=torch.zeros(1))
+    loss, grad, _ = loss_and_grad(GRPO(kl_coef=1.0, kl_clamp=10.0), batch)
+    assert loss == pytest.approx(10.0) and torch.isfinite(grad).all()
 
 
 def test_token_metrics_count_only_tokens_in_the_loss():

@@ -25,6 +25,9 @@ from tandem_lit.rollout.record import Author
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+#: log-ratios are clamped to +-this before exp (verl's bound): e^20 is far past any clip range yet
+#: finite in float32, where e^89 is not
+LOG_RATIO_BOUND = 20.0
 
 
 class AuthorshipError(TandemLitError, ValueError):
@@ -53,7 +56,7 @@ class LossScale:
     """Normalisers of the aggregated loss, computed over the whole optimiser batch."""
 
     weight_sum: float  # sum of token weights of the sequences that enter the loss
-    sequences: int  # number of sequences that enter the loss
+    sequences: int  # number of sequences that enter the loss with a token of weight > 0
     max_tokens: int  # completion token budget (constant normalisation)
 
 
@@ -61,6 +64,13 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     """Mean of ``values`` where ``mask`` holds (0 when it holds nowhere)."""
     mask = mask.float()
     return (values * mask).sum() / mask.sum().clamp_min(1)
+
+
+def weighted_rows(weights: Tensor, keep: Tensor) -> int:  # [N, T], [N] bool
+    """The rows that enter the loss with some weight: the seq-mean aggregations' count. A row whose
+    every token weighs 0 (all the junior's at ``junior_weight`` 0) adds nothing to the numerator,
+    so it stays out of the count too (verl's seq-mean rule), rather than diluting the mean."""
+    return int((keep & (weights.sum(-1) > 0)).sum())
 
 
 def token_weights(author: Tensor | None, junior_weight: float, like: Tensor, check: bool = True) -> Tensor:  # -> [N, T] float
@@ -162,7 +172,7 @@ class Objective(ABC):
         """Normalisers over a whole optimiser batch (pass the same to each micro-batch)."""
         keep = self.included(advantages) if mask is None else self.included(advantages) & mask
         weights = token_weights(author, self.junior_weight, like=author if author is not None else advantages)
-        return LossScale(weight_sum=float(weights[keep].sum()), sequences=int(keep.sum()), max_tokens=max_tokens)
+        return LossScale(weight_sum=float(weights[keep].sum()), sequences=weighted_rows(weights, keep), max_tokens=max_tokens)
 
     def __call__(self, inputs: ObjectiveInputs, scale: LossScale | None = None) -> tuple[Tensor, dict[str, float]]:
         loss, metrics = self.loss_and_metrics(inputs, scale)
@@ -178,7 +188,7 @@ class Objective(ABC):
         keep = self.included(advantages) if inputs.mask is None else self.included(advantages) & inputs.mask
         weights = weights * keep.unsqueeze(-1)
         if scale is None:
-            scale = LossScale(float(weights.sum()), int(keep.sum()), inputs.logp.shape[1])
+            scale = LossScale(float(weights.sum()), weighted_rows(weights, keep), inputs.logp.shape[1])
         per_token, metrics = self.token_loss(inputs, advantages, weights > 0)
         loss = self._aggregate(per_token, weights, scale)
         out = {name: value.detach() for name, value in metrics.items()}

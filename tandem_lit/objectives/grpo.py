@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from tandem_lit.errors import ConfigError
-from tandem_lit.objectives.base import Aggregation, Objective, ObjectiveInputs, masked_mean
+from tandem_lit.objectives.base import LOG_RATIO_BOUND, Aggregation, Objective, ObjectiveInputs, masked_mean
 
 
 def group_centred(rewards: Tensor, group: Tensor) -> tuple[Tensor, Tensor]:
@@ -110,7 +110,11 @@ class GRPO(Objective):
     def token_loss(self, inputs: ObjectiveInputs, advantages: Tensor, counted: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         logp = inputs.logp
         old = inputs.old_logp if inputs.old_logp is not None else logp.detach()
-        ratio = torch.exp(logp - old)
+        log_ratio = logp - old
+        clamped = log_ratio.detach().abs() > LOG_RATIO_BOUND
+        # exp of a log-ratio past ~88 is inf in float32 (an inf loss or a NaN gradient): bounded
+        # as verl bounds it; a clamped token's gradient is 0, and the share is logged
+        ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
         adv = advantages.unsqueeze(-1)
         unclipped = -adv * ratio
         clipped = -adv * ratio.clamp(1.0 - self.clip_low, 1.0 + self.clip_high)
@@ -118,6 +122,7 @@ class GRPO(Objective):
         metrics = {
             "clip_fraction": masked_mean((clipped > unclipped).float(), counted),
             "ratio_mean": masked_mean(ratio.detach(), counted),
+            "ratio_clamped_fraction": masked_mean(clamped.float(), counted),
             "advantage_std": advantages.std() if advantages.numel() > 1 else advantages.new_zeros(()),
         }
         if self.clip_ratio_c is not None:
@@ -131,7 +136,7 @@ class GRPO(Objective):
         if self.kl_coef > 0:
             if inputs.ref_logp is None:
                 raise ConfigError("GRPO with kl_coef > 0 needs reference log-probs (ref_logp), got None")
-            delta = inputs.ref_logp - logp
+            delta = (inputs.ref_logp - logp).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # as verl's low_var_kl
             kl = torch.exp(delta) - delta - 1.0  # k3 estimator of KL(pi || ref)
             if self.kl_clamp is not None:
                 kl = kl.clamp(-self.kl_clamp, self.kl_clamp)
