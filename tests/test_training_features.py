@@ -541,6 +541,37 @@ def test_a_head_with_rows_past_the_tokenizer_is_scored_over_what_the_engine_samp
     assert module.senior.get_output_embeddings().weight.shape[0] == config["vocab_size"] + 64
 
 
+def test_update_passes_run_without_lora_dropout(tmp_path):
+    """LoRA dropout 0.5 (SFT's setting) on the tiny senior: the update's passes must not draw
+    dropout masks. Two no-grad passes (old log-probs) give identical log-probs in train mode, and at
+    lr 0 the later mini-batch's training forward equals its old log-probs computed before the first
+    update (ratio 1 at its first pass, not e^(mask noise))."""
+    objective = SpyGRPO()
+    module = tandem_module(objective=objective, lora=LoraSettings(r=4, alpha=8, dropout=0.5), mini_batch_size=1,
+                           optimizer=lambda params: torch.optim.SGD(params, lr=0.0))
+    module.configure_model()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # adapters as after some training (peft starts B at 0: no dropout would show)
+        for name, p in module.senior.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.5)
+    captured = spy_on_optimise(module)
+    fit(module, RowsDataModule([row(f"q{i} ", VOWELS) for i in range(2)], batch_size=2), tmp_path, steps=2)
+    # (the first mini-batch's old log-probs are its own forward's, detached: the same storage)
+    later = [call for call in objective.calls if call.old_logp.data_ptr() != call.logp.data_ptr()]
+    assert later, "the second mini-batch's passes take their old log-probs from the no-grad pass"
+    for call in later:
+        senior = call.author == Author.SENIOR
+        ratio = torch.exp(call.logp.detach() - call.old_logp)[senior]
+        assert torch.allclose(ratio, torch.ones_like(ratio), atol=1e-5), ratio
+    module.senior.train()
+    rollout = captured["result"].rollout
+    first = module.updates.behaviour_logprobs(rollout, module.device)
+    assert torch.equal(first, module.updates.behaviour_logprobs(rollout, module.device))
+    dropouts = [m for m in module.senior.modules() if isinstance(m, torch.nn.Dropout)]
+    assert dropouts and all(m.p == 0.0 for m in dropouts)
+
+
 def test_logp_gap_limit_must_be_positive():
     from tandem_lit.training.settings import UpdateSettings
 

@@ -63,6 +63,23 @@ class PhaseClock:
         return {f"update_{part}_seconds": seconds for part, seconds in self.seconds.items()}
 
 
+def without_dropout(model: nn.Module) -> nn.Module:
+    """``model`` with every dropout rate set to 0 (TRL's ``disable_dropout``; verl trains LoRA with
+    dropout 0): the old log-probs, the training forward and the rollout-vs-train gap must all see
+    one network, or the importance ratio of a token measures two dropout masks, not two policies
+    (at LoRA dropout 0.5 two no-grad passes differed by up to 0.48 nats). The rates are zeroed,
+    not the modules put in eval mode: Lightning sets train mode again around validation, and eval
+    mode would also switch off Hugging Face's gradient checkpointing, which checks ``training``.
+    Covers ``nn.Dropout`` modules (LoRA's ``lora_dropout``, GPT-2's) and the attention dropout
+    rate Hugging Face attention layers keep as a float (``attention_dropout``)."""
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+    return model
+
+
 def row_index(rows: list[int], device: torch.device) -> Tensor:  # -> [len(rows)] long
     """``rows`` as an index tensor on ``device`` without a sync: a plain ``torch.tensor(rows,
     device=cuda)`` copies from pageable memory and waits for the stream, i.e. for every pass
@@ -122,7 +139,12 @@ class UpdatePhase:
         self.vocab: int | None = None  # the engine's sampled vocabulary (RolloutEngine.sampled_vocab), set with it
 
     def bind(self, senior: nn.Module, reference: nn.Module | None, backward: Callable[[Tensor], None]) -> None:
+        """The models the update trains and scores with; their dropout is switched off for good
+        (``without_dropout``)."""
         self.senior, self.reference, self.backward = senior, reference, backward
+        for model in (senior, reference):
+            if model is not None:
+                without_dropout(model)
 
     def use_fused_kernels(self, device: torch.device) -> tuple[str, ...]:
         """Liger's kernels (``memory.fused_kernels``) in the forward of the senior and of its
