@@ -151,6 +151,51 @@ def test_grpo_advantages_group_batch_none():
     close(GRPO().advantages(rewards[[0, 2, 1, 3]], torch.tensor([7, 3, 7, 3])), [a, 0, -a, 0])
 
 
+# 8 rollouts in 4 groups of 2; on 2 processes each holds 2 whole groups (rank_rows)
+BATCH_REWARDS = [1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0]
+
+
+def _batch_scaled_worker(rank: int, world: int, port: int, folder: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+    def over_ranks(values: list[float]) -> list[float]:  # training.distributed.all_reduce_sum, whose
+        summed = torch.tensor(values, dtype=torch.float64)  # import (Lightning) would take longer
+        dist.all_reduce(summed)  # than the test
+        return summed.tolist()
+
+    try:
+        rows = slice(4 * rank, 4 * rank + 4)
+        rewards, group = torch.tensor(BATCH_REWARDS)[rows], torch.tensor([0, 0, 1, 1])
+        torch.save((GRPO(scale_rewards="batch").advantages(rewards, group, over_ranks),
+                    GRPO(scale_rewards="batch").advantages(rewards, group)), f"{folder}/{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_batch_scaled_advantages_on_two_processes_equal_one_process(tmp_path):
+    """scale_rewards: batch on 2 gloo processes: each divides by the std of all 8 rewards (0.535),
+    as one process does, not by its own 4 (0.577 and 0.5)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    one = GRPO(scale_rewards="batch").advantages(torch.tensor(BATCH_REWARDS), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]))
+    close(one, [0.5 / (0.5345225 + 1e-6) * a for a in (1, -1, 0, 0, -1, 1, 0, 0)], tol=1e-5)
+    mp.spawn(_batch_scaled_worker, args=(2, port, str(tmp_path)), nprocs=2)
+    (gathered_0, alone_0), (gathered_1, alone_1) = (torch.load(tmp_path / f"{rank}.pt") for rank in range(2))
+    gathered, alone = torch.cat([gathered_0, gathered_1]), torch.cat([alone_0, alone_1])
+    close(gathered, one)
+    assert not torch.allclose(alone, one)  # each rank's own std
+
+
 def test_grpo_asymmetric_clip_hand_computed():
     """clip_low 0.2, clip_high 0.28, advantages [+1, -2], old log-probs 0 so ratio = exp(logp).
     Row 0 (A=+1) ratios [1.5, 0.5, 1.25]: 1.5 is clipped to 1.28 (no gradient); 0.5 below the range

@@ -69,9 +69,9 @@ class SpyGRPO(GRPO):
         self.calls: list[ObjectiveInputs] = []
         self.advantage_rewards: list[torch.Tensor] = []
 
-    def advantages(self, rewards, group):
+    def advantages(self, rewards, group, over_ranks=None):
         self.advantage_rewards.append(rewards.detach().clone())
-        return super().advantages(rewards, group)
+        return super().advantages(rewards, group, over_ranks)
 
     def loss_and_metrics(self, inputs, scale=None):
         self.calls.append(inputs)

@@ -14,6 +14,7 @@ full-batch loss exactly.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -23,6 +24,8 @@ from torch import Tensor
 from tandem_lit.errors import ConfigError, TandemLitError
 from tandem_lit.rollout.record import Author
 
+#: sums a list of numbers over the processes of a run (``training.distributed.all_reduce_sum``)
+RankSum = Callable[[list[float]], list[float]]
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 #: log-ratios are clamped to +-this before exp (verl's bound): e^20 is far past any clip range yet
@@ -135,8 +138,11 @@ class Objective(ABC):
         return False
 
     @abstractmethod
-    def advantages(self, rewards: Tensor, group: Tensor) -> Tensor:  # [N], [N] -> [N]
-        """The per-sequence learning signal, computed over the whole batch."""
+    def advantages(self, rewards: Tensor, group: Tensor, over_ranks: RankSum | None = None) -> Tensor:  # [N], [N] -> [N]
+        """The per-sequence learning signal, computed over the whole batch. On several processes
+        each holds whole groups of the batch, and ``over_ranks`` sums a list of numbers over the
+        processes: a statistic of the whole batch (``scale_rewards: batch``) goes through it, so
+        that W processes compute what one process computes (None: one process)."""
 
     def included(self, advantages: Tensor) -> Tensor:  # [N] -> [N] bool
         """Sequences that enter the loss and its normaliser (default: all)."""

@@ -13,18 +13,20 @@ one, where the two are the same forward (verl recomputes it; the value is identi
 rollout engine's own log-probs (a bf16 copy) enter only through ``tis_cap``.
 
 ``scale_rewards``: ``group`` divides by the group's standard deviation (GRPO), ``batch`` by the
-whole batch's (Hu et al., REINFORCE++ style), ``none`` keeps the centred rewards (Dr. GRPO).
+whole batch's (Hu et al., REINFORCE++ style; over every process's rows, as TRL gathers them),
+``none`` keeps the centred rewards (Dr. GRPO).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
 from torch import Tensor
 
 from tandem_lit.errors import ConfigError
-from tandem_lit.objectives.base import LOG_RATIO_BOUND, Aggregation, Objective, ObjectiveInputs, masked_mean
+from tandem_lit.objectives.base import LOG_RATIO_BOUND, Aggregation, Objective, ObjectiveInputs, RankSum, masked_mean
 
 
 def group_centred(rewards: Tensor, group: Tensor) -> tuple[Tensor, Tensor]:
@@ -38,6 +40,17 @@ def group_centred(rewards: Tensor, group: Tensor) -> tuple[Tensor, Tensor]:
     square = torch.zeros(groups, device=rewards.device).index_add_(0, index, centred**2)
     std = (square / (count - 1).clamp_min(1)).sqrt()
     return centred, std[index]
+
+
+def batch_std(rewards: Tensor, over_ranks: RankSum | None = None) -> float | None:
+    """The unbiased standard deviation of the whole batch's rewards (None under 2 rewards), from
+    their count, sum and sum of squares summed ``over_ranks``: every process divides by the one
+    number a single process would (TRL gathers the rewards before ``scale_rewards="batch"``)."""
+    moments = [float(rewards.numel()), float(rewards.double().sum()), float(rewards.double().square().sum())]
+    count, total, squares = over_ranks(moments) if over_ranks is not None else moments
+    if count < 2:
+        return None
+    return math.sqrt(max(squares - total * total / count, 0.0) / (count - 1))
 
 
 class GRPO(Objective):
@@ -98,13 +111,14 @@ class GRPO(Objective):
     def uses_reference(self) -> bool:
         return self.kl_coef > 0
 
-    def advantages(self, rewards: Tensor, group: Tensor) -> Tensor:
+    def advantages(self, rewards: Tensor, group: Tensor, over_ranks: RankSum | None = None) -> Tensor:
         rewards = rewards.float()
-        centred, group_std = group_centred(rewards, group)
+        centred, group_std = group_centred(rewards, group)  # (each group lies on one process)
         if self.scale_rewards == "group":
             return centred / (group_std + self.eps)
         if self.scale_rewards == "batch":
-            return centred / (rewards.std() + self.eps) if rewards.numel() > 1 else centred
+            std = batch_std(rewards, over_ranks)
+            return centred / (std + self.eps) if std is not None else centred
         return centred
 
     def token_loss(self, inputs: ObjectiveInputs, advantages: Tensor, counted: Tensor) -> tuple[Tensor, dict[str, Tensor]]:

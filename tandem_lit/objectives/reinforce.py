@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tandem_lit.objectives.base import Aggregation, Objective, ObjectiveInputs
+from tandem_lit.objectives.base import Aggregation, Objective, ObjectiveInputs, RankSum
 
 
 class Reinforce(Objective):
@@ -36,7 +36,7 @@ class Reinforce(Objective):
         super().__init__(junior_weight=junior_weight, aggregation=aggregation, tis_cap=tis_cap)
         self.failed_weight = float(failed_weight)
 
-    def advantages(self, rewards: Tensor, group: Tensor) -> Tensor:
+    def advantages(self, rewards: Tensor, group: Tensor, over_ranks: RankSum | None = None) -> Tensor:
         rewards = rewards.float()
         return torch.where(rewards > 0, rewards, torch.full_like(rewards, self.failed_weight))
 

@@ -183,7 +183,8 @@ class UpdatePhase:
         # with W ranks each holds 1/W of every mini-batch (``rank_rows``)
         per_update = self.settings.mini_batch_size // world if self.settings.mini_batch_size else prompts
         updates = [[i for i, g in enumerate(host.group) if s <= g < s + per_update] for s in range(0, prompts, per_update)]
-        advantages = self.objective.advantages(rewards, group)
+        over_ranks = (lambda values: all_reduce_sum(values, device)) if world > 1 else None
+        advantages = self.objective.advantages(rewards, group, over_ranks)
         # the ratio's denominator comes from the training model before this step's first update.
         # The first mini-batch's is its own forward's log-probs, detached (no update has happened
         # yet: with one update that is all of them); the later mini-batches' are computed here,
