@@ -299,6 +299,44 @@ def test_overlong_penalty_replaces_the_reward_of_truncated_rollouts(tmp_path):
     assert objective.calls[0].mask is None  # penalised, not masked
 
 
+def test_soft_overlong_punishment_hand_computed():
+    """DAPO's soft overlong punishment, cap 10, buffer 4, factor 0.5: no change up to 6 tokens,
+    then (6 - length) / 4 * 0.5: 7 tokens -0.125, 9 tokens -0.375, 10 (the cap, truncated) -0.5.
+    ``penalty`` replaces a truncated row's reward; ``keep`` and ``mask`` change none."""
+    rewards, lengths = torch.tensor([1.0, 1.0, 0.0, 1.0]), torch.tensor([4, 7, 9, 10])
+    truncated = torch.tensor([False, False, False, True])
+    soft = OverlongPolicy(mode="soft", buffer=4, penalty_factor=0.5)
+    assert soft.rewards(rewards, lengths, truncated, max_tokens=10).tolist() == [1.0, 0.875, -0.375, 0.5]
+    penalty = OverlongPolicy(mode="penalty", penalty=-1.0)
+    assert penalty.rewards(rewards, lengths, truncated, max_tokens=10).tolist() == [1.0, 1.0, 0.0, -1.0]
+    for mode in ("keep", "mask"):
+        assert OverlongPolicy(mode=mode).rewards(rewards, lengths, truncated, max_tokens=10).equal(rewards)
+    with pytest.raises(ConfigError, match="overlong.buffer"):
+        OverlongPolicy(mode="soft")
+    with pytest.raises(ConfigError, match=r"overlong.buffer \(12\) must be at most"):
+        OverlongPolicy(mode="soft", buffer=12).rewards(rewards, lengths, truncated, max_tokens=10)
+
+
+def test_dynamic_sampling_filters_on_the_rewards_the_objective_sees():
+    """Every completion is rewarded 1 (no group has spread in the verifier's rewards), but under
+    the soft overlong punishment over the whole budget the rewards fall with length: the groups
+    whose lengths differ have advantages, and dynamic sampling keeps them. Under ``penalty`` with
+    the verifier's own reward as the penalty, nothing differs and every group is dropped."""
+    rows = [row(f"Q: {i}?", ALWAYS) for i in range(2)]
+    sampling = SamplingConfig(temperature=1.0, n=GROUP, max_new_tokens=60)
+    soft = tandem_module(dynamic_sampling=DynamicSampling(prompts_per_step=2, max_rounds=1), sampling=sampling,
+                         overlong=OverlongPolicy(mode="soft", buffer=60))
+    soft.configure_model()
+    result, stats = soft.rollouts.informative(rows, soft.handoff, key=0)
+    assert stats["kept_groups"] == 2.0 and result.groups_with_spread() == []  # kept on the trained rewards alone
+    assert sorted(result.groups_with_spread(soft.rollouts.trained_rewards(result))) == [0, 1]
+    flat = tandem_module(dynamic_sampling=DynamicSampling(prompts_per_step=2, max_rounds=1), sampling=sampling,
+                         overlong=OverlongPolicy(mode="penalty", penalty=1.0))
+    flat.configure_model()
+    assert flat.rollouts.informative(rows, flat.handoff, key=0) == (None, {"sampling_rounds": 1.0, "dropped_groups": 2.0,
+                                                                           "kept_groups": 0.0})
+
+
 def test_overlong_policy_rejects_unknown_modes():
     with pytest.raises(ConfigError, match="overlong.mode"):
         OverlongPolicy(mode="drop")

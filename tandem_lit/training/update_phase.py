@@ -173,8 +173,7 @@ class UpdatePhase:
         rewards = result.rewards.to(device)
         truncated = rollout.truncated.to(device)
         overlong = self.settings.overlong
-        if overlong.mode == "penalty":
-            rewards = torch.where(truncated, overlong.penalty, rewards)
+        rewards = overlong.rewards(rewards, rollout.lengths, truncated, self.sampling.max_new_tokens)
         allowed = ~truncated if overlong.mode == "mask" else None
         # what the passes are cut by, on the host once (``HostRows``): the passes then queue on
         # the GPU back to back, with no sync between them but the one Liger's head makes
