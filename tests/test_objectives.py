@@ -344,10 +344,64 @@ def test_truncated_importance_sampling_hand_computed(objective):
         objective(inputs([1.0], logp=logp, author=[[S, S, J]], advantages=torch.tensor([1.0])))
 
 
+@pytest.mark.parametrize("objective", [GRPO(tis_cap=2.0, tis_level="sequence"), GRPO(tis_cap=4.0, tis_level="sequence"),
+                                       Reinforce(tis_cap=2.0, tis_level="sequence")], ids=repr)
+def test_sequence_level_truncated_importance_sampling_hand_computed(objective):
+    """tis_level sequence, on-policy, one row [S, S, J], A = +1: the engine's log-probs are
+    [logp - log 1.5, logp - log 2, anything]: the row's weight is 1.5 x 2 = 3 (the junior token's
+    ratio is 1), min(3, cap) on every token of the row. GRPO (junior weight 0): the 2 senior
+    tokens' gradient -A x factor / 2; REINFORCE (junior weight 1): -factor / 3 on all 3 tokens."""
+    logp = [[-1.0, -2.0, -0.5]]
+    rollout = torch.tensor(logp) - torch.tensor([[math.log(1.5), math.log(2.0), 7.0]])
+    batch = inputs([1.0], logp=logp, author=[[S, S, J]], advantages=torch.tensor([1.0]), rollout_logp=rollout)
+    _, grad, metrics = loss_and_grad(objective, batch)
+    factor = min(3.0, objective.tis_cap)
+    if isinstance(objective, GRPO):
+        close(grad, [[-factor / 2, -factor / 2, 0.0]], tol=1e-5)
+    else:
+        close(grad, [[-factor / 3] * 3], tol=1e-5)
+    assert metrics["tis_weight_mean"] == pytest.approx(factor, rel=1e-5)
+    assert metrics["tis_capped_fraction"] == (1.0 if objective.tis_cap < 3 else 0.0)
+
+
+def test_geometric_mean_sequence_masking_hand_computed():
+    """geo_mask 1.002: a row leaves the loss when the geometric mean of its senior tokens' weights
+    exp(mean(old - rollout)) is outside [1/1.002, 1.002], i.e. |mean log-ratio| > log 1.002 = 0.001998.
+    Row 0: mean 0.001 (kept); row 1: mean (0.01 - 0.002) / 2 = 0.004 (masked); row 2: its one
+    senior token -0.005 (masked; the junior token's 5 is not the senior's); row 3: no senior token (kept)."""
+    old = torch.zeros(4, 2)
+    rollout = -torch.tensor([[0.001, 0.001], [0.01, -0.002], [-0.005, 5.0], [3.0, 3.0]])
+    author = torch.tensor([[S, S], [S, S], [S, J], [J, J]])
+    objective = GRPO(geo_mask=1.002)
+    assert objective.masks_sequences and not GRPO().masks_sequences
+    assert objective.rejected(old, rollout, author).tolist() == [False, True, True, False]
+    assert GRPO().rejected(old, rollout, author).tolist() == [False] * 4
+    with pytest.raises(ConfigError, match="geo_mask needs the rollout engine's log-probs"):
+        objective.rejected(old, None, author)
+
+
+def test_mismatch_stats_hand_computed():
+    """Senior tokens with old - rollout = [log 2, 0, -log 2], weights [2, 1, 0.5]; the junior token's
+    10 is not measured. k3 = w - 1 - log w: [1 - log 2, 0, log 2 - 0.5], mean 0.5 / 3. ESS =
+    (sum w)^2 / (n sum w^2) = 3.5^2 / (3 x 5.25) = 7/9. Added in two parts: the same."""
+    from tandem_lit.objectives.mismatch import MismatchStats
+
+    old = torch.tensor([[math.log(2.0), 0.0], [-math.log(2.0), 10.0]])
+    rollout, author = torch.zeros(2, 2), torch.tensor([[S, S], [S, J]])
+    whole, parts = MismatchStats(), MismatchStats()
+    whole.add(old, rollout, author)
+    parts.add(old[:1], rollout[:1], author[:1])
+    parts.add(old[1:], rollout[1:], author[1:])
+    parts.add(old, None, author)  # an engine without log-probs adds nothing
+    for stats in (whole, parts):
+        assert stats.metrics() == pytest.approx({"mismatch_kl": 0.5 / 3, "mismatch_ess": 7 / 9})
+    assert MismatchStats().metrics() == {}
+
+
 @pytest.mark.parametrize("kwargs", [
     {"scale_rewards": "std"}, {"clip_low": -0.1}, {"clip_high": -1}, {"kl_coef": -0.5},
     {"aggregation": "mean"}, {"junior_weight": -1}, {"clip_ratio_c": 1.0}, {"kl_clamp": 0.0},
-    {"tis_cap": 0.0},
+    {"tis_cap": 0.0}, {"tis_level": "sequence"}, {"tis_cap": 2.0, "tis_level": "row"}, {"geo_mask": 1.0},
 ])
 def test_grpo_bad_settings(kwargs):
     with pytest.raises(ConfigError):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -608,6 +609,53 @@ def test_update_passes_run_without_lora_dropout(tmp_path):
     assert torch.equal(first, module.updates.behaviour_logprobs(rollout, module.device))
     dropouts = [m for m in module.senior.modules() if isinstance(m, torch.nn.Dropout)]
     assert dropouts and all(m.p == 0.0 for m in dropouts)
+
+
+class OffByTwoOddRowsEngine(FastEngine):
+    """An engine that reports the log-probs of every other row 2 nats too low: those rows look
+    drawn from another policy."""
+
+    def generate(self, prompts, policy, sampling):
+        rollout = super().generate(prompts, policy, sampling)
+        shift = torch.zeros_like(rollout.senior_logprobs)
+        shift[1::2] = 2.0
+        return dataclasses.replace(rollout, senior_logprobs=rollout.senior_logprobs - shift)
+
+
+def test_mismatch_metrics_and_geometric_sequence_masking_in_a_step(tmp_path):
+    """A float32 engine agrees with the trainer: mismatch_kl 0, mismatch_ess 1, no row masked. An
+    engine off by 2 nats on every other row: geo_mask leaves exactly those rows (the ones with a
+    senior token) out of the loss, and the metrics see the mismatch (per such token the weight is
+    e^2, its k3 e^2 - 3)."""
+    data = RowsDataModule([row(f"q{i} ", VOWELS) for i in range(4)], batch_size=2)
+    healthy = tandem_module(engine=FastEngine(rollout_dtype="float32"), objective=SpyGRPO(geo_mask=1.5))
+    fit(healthy, data, tmp_path / "healthy")
+    logged = train_rows(healthy)[-1]
+    assert logged["train/mismatch_kl"] == pytest.approx(0.0, abs=1e-6)
+    assert logged["train/mismatch_ess"] == pytest.approx(1.0, abs=1e-6)
+    assert logged["train/geo_masked_fraction"] == 0.0 and logged["train/included_fraction"] == 1.0
+
+    objective = SpyGRPO(geo_mask=1.5)
+    broken = tandem_module(engine=OffByTwoOddRowsEngine(rollout_dtype="float32"), objective=objective,
+                           logp_gap_limit=None, logp_gap_warning=None)
+    captured = spy_on_optimise(broken)
+    fit(broken, data, tmp_path / "broken")
+    logged = train_rows(broken)[-1]
+    author = captured["result"].rollout.author
+    has_senior = (author == Author.SENIOR).any(-1)
+    shifted = torch.zeros_like(has_senior)
+    shifted[1::2] = True
+    masked = (shifted & has_senior).float().mean().item()
+    assert masked > 0
+    assert logged["train/geo_masked_fraction"] == pytest.approx(masked)
+    assert logged["train/included_fraction"] == pytest.approx(1 - masked)
+    (inputs,) = objective.calls
+    assert torch.equal(inputs.mask.cpu(), ~(shifted & has_senior))
+    senior = author == Author.SENIOR
+    share = (senior & shifted.unsqueeze(-1)).sum().item() / senior.sum().item()  # tokens at weight e^2
+    assert logged["train/mismatch_kl"] == pytest.approx(share * (math.exp(2) - 3), rel=1e-3)
+    ess = (share * math.exp(2) + 1 - share) ** 2 / (share * math.exp(4) + 1 - share)
+    assert logged["train/mismatch_ess"] == pytest.approx(ess, rel=1e-3)
 
 
 def test_logp_gap_limit_must_be_positive():

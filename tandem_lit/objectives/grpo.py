@@ -26,7 +26,8 @@ import torch
 from torch import Tensor
 
 from tandem_lit.errors import ConfigError
-from tandem_lit.objectives.base import LOG_RATIO_BOUND, Aggregation, Objective, ObjectiveInputs, RankSum, masked_mean
+from tandem_lit.objectives.base import Aggregation, Objective, ObjectiveInputs, RankSum, TisLevel, masked_mean
+from tandem_lit.objectives.mismatch import LOG_RATIO_BOUND
 
 
 def group_centred(rewards: Tensor, group: Tensor) -> tuple[Tensor, Tensor]:
@@ -69,7 +70,8 @@ class GRPO(Objective):
             run far past the clip range cannot dominate the update. None: off.
         kl_clamp: Clamp the per-token k3 KL term to [-kl_clamp, kl_clamp] (verl's low_var_kl
             uses 10). None: no clamp.
-        tis_cap: See ``Objective`` (truncated importance sampling; None: off).
+        tis_cap, tis_level, geo_mask: See ``Objective`` (truncated importance sampling per token
+            or sequence, geometric-mean sequence masking; None: off).
     """
 
     uses_old_logp = True
@@ -87,8 +89,11 @@ class GRPO(Objective):
         clip_ratio_c: float | None = None,
         kl_clamp: float | None = None,
         tis_cap: float | None = None,
+        tis_level: TisLevel = "token",
+        geo_mask: float | None = None,
     ):
-        super().__init__(junior_weight=junior_weight, aggregation=aggregation, tis_cap=tis_cap)
+        super().__init__(junior_weight=junior_weight, aggregation=aggregation, tis_cap=tis_cap, tis_level=tis_level,
+                         geo_mask=geo_mask)
         if clip_ratio_c is not None and clip_ratio_c <= 1:
             raise ConfigError(f"clip_ratio_c must be > 1 (verl's default is 3.0), got {clip_ratio_c}")
         if kl_clamp is not None and kl_clamp <= 0:

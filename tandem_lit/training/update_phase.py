@@ -27,6 +27,7 @@ from tandem_lit.evaluation.results import RolloutResult
 from tandem_lit.models import liger
 from tandem_lit.models.varlen_attention import varlen_during
 from tandem_lit.objectives.base import Objective, ObjectiveInputs
+from tandem_lit.objectives.mismatch import MismatchStats
 from tandem_lit.rollout.logprobs import completion_logprobs
 from tandem_lit.rollout.record import Rollout
 from tandem_lit.rollout.sampling import SamplingConfig
@@ -187,17 +188,26 @@ class UpdatePhase:
         # the ratio's denominator comes from the training model before this step's first update.
         # The first mini-batch's is its own forward's log-probs, detached (no update has happened
         # yet: with one update that is all of them); the later mini-batches' are computed here,
-        # before the first update changes the weights
+        # before the first update changes the weights. Geometric-mean sequence masking decides
+        # which rows enter a mini-batch's normaliser from them, so it needs the first one's too
+        masks = self.objective.masks_sequences
         later = [i for rows in updates[1:] for i in rows] if len(updates) > 1 else None
+        scored = list(range(len(host.group))) if masks else later  # rows whose old log-probs come first
+        needs_old = self.objective.uses_old_logp or masks
         with self.compute_weights(device, world):
-            old_logp = self.behaviour_logprobs(rollout, device, later, world, host) if self.objective.uses_old_logp and later is not None else None
+            old_logp = self.behaviour_logprobs(rollout, device, scored, world, host) if needs_old and scored is not None else None
             ref_logp = self.reference_logprobs(rollout, device, world, host) if self.objective.uses_reference else None
         clock.charge("logprob")  # forward-only passes: the old and the reference log-probs
-        gap = LogprobGap()
+        gap, mismatch = LogprobGap(), MismatchStats()  # the engine's log-probs against the old ones
         if old_logp is not None and rollout.senior_logprobs is not None:
-            later_rows = row_index(later, device)
-            gap.add(old_logp[later_rows], rollout.senior_logprobs[later_rows], rollout.author[later_rows])
+            scored_rows = row_index(scored, device)
+            for measure in (gap, mismatch):
+                measure.add(old_logp[scored_rows], rollout.senior_logprobs[scored_rows], rollout.author[scored_rows])
         totals: dict[str, Tensor | float] = {}  # metrics summed on the device, read once at the end
+        if masks:
+            rejected = self.objective.rejected(old_logp, rollout.senior_logprobs, rollout.author)
+            allowed = ~rejected if allowed is None else allowed & ~rejected
+            totals["geo_masked_fraction"] = rejected.float().mean()
         for index, update_rows in enumerate(updates):
             rows = row_index(update_rows, device)
             mask = allowed[rows] if allowed is not None else None
@@ -213,11 +223,13 @@ class UpdatePhase:
                     part = host.trimmed(rollout, micro, pass_rows)
                     width = part.completion_ids.shape[1]
                     logp = self.sequence_logprobs(self.senior, part, lengths=host.lengths(pass_rows))
-                    if old_logp is None or index == 0:
+                    own = old_logp is None or (index == 0 and not masks)  # the old log-probs are this forward's
+                    if own:
                         gap.add(logp, part.senior_logprobs, part.author)
+                        mismatch.add(logp, part.senior_logprobs, part.author)
                     old = None
                     if old_logp is not None:
-                        old = logp.detach() if index == 0 else old_logp[micro, :width]
+                        old = logp.detach() if own else old_logp[micro, :width]
                     inputs = ObjectiveInputs(
                         logp=logp,
                         author=part.author,
@@ -247,6 +259,7 @@ class UpdatePhase:
                                               for n in names]).cpu().tolist())) if names else {}
         totals["updates"] = float(len(updates))
         totals.update(gap.metrics())
+        totals.update(mismatch.metrics())
         totals.update(clock.metrics())
         self.check_logp_gap(totals)
         return totals
