@@ -80,7 +80,7 @@ def test_rlvr_configs_hold_the_paper_numbers(config, capsys):
     objective = model["objective"]
     assert objective["class_path"] == "tandem_lit.objectives.GRPO"
     expected = {"clip_low": 0.2, "clip_high": 0.2, "kl_coef": 0.0, "junior_weight": 0.0, "aggregation": "token-mean",
-                "scale_rewards": "group"}
+                "scale_rewards": "group", "clip_ratio_c": 3.0}  # dual clip: verl's actor default
     assert expected.items() <= objective["init_args"].items()
     assert model["optimizer"]["class_path"] == "torch.optim.AdamW"
     assert model["optimizer"]["init_args"]["lr"] == 1e-6

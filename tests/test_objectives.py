@@ -114,6 +114,26 @@ def test_positive_only_seq_mean_counts_only_included_sequences():
     close(grad, [[-1 / 6] * 3, [0] * 3, [-1 / 6] * 3])
 
 
+@pytest.mark.parametrize("aggregation,counted,uncounted", [
+    ("seq-mean-token-mean", -1.0, -2 / 3),  # each counted row's mean is -1
+    ("seq-mean-token-sum", -2.0, -4 / 3),  # each counted row's sum is -2
+    ("seq-mean-token-sum-norm", -1.0, -4 / 6),  # -4 / (rows x 2 tokens)
+])
+def test_seq_mean_leaves_rows_without_weight_out_of_the_count(aggregation, counted, uncounted):
+    """GRPO on-policy (ratio 1), advantage +1 everywhere, junior_weight 0: every counted token's
+    loss is -1. Rows 0 and 1 are the senior's; row 2 is all the junior's, so all its tokens weigh
+    0. The seq-mean modes average over the 2 rows that carry weight (verl: -1.0 for
+    seq-mean-token-mean), not over 3 (-0.667), with or without a batch-wide LossScale."""
+    batch = inputs([0.0] * 3, logp=[[-1.0, -2.0], [-0.5, -0.1], [-3.0, -0.2]], author=[[S, S], [S, S], [J, J]],
+                   advantages=torch.ones(3))
+    objective = GRPO(aggregation=aggregation)
+    close(objective(batch)[0], counted)
+    scale = objective.loss_scale(batch.author, batch.advantages, max_tokens=2)
+    assert scale.sequences == 2
+    close(objective(batch, scale)[0], counted)
+    assert counted != pytest.approx(uncounted)  # (what counting row 2 gave)
+
+
 # -------------------------------------------------------------------------------------- GRPO
 
 
@@ -129,6 +149,51 @@ def test_grpo_advantages_group_batch_none():
     close(GRPO(scale_rewards="none").advantages(rewards, group), [0.5, -0.5, 0, 0])
     # group ids need not be contiguous or sorted
     close(GRPO().advantages(rewards[[0, 2, 1, 3]], torch.tensor([7, 3, 7, 3])), [a, 0, -a, 0])
+
+
+# 8 rollouts in 4 groups of 2; on 2 processes each holds 2 whole groups (rank_rows)
+BATCH_REWARDS = [1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0]
+
+
+def _batch_scaled_worker(rank: int, world: int, port: int, folder: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+    def over_ranks(values: list[float]) -> list[float]:  # training.distributed.all_reduce_sum, whose
+        summed = torch.tensor(values, dtype=torch.float64)  # import (Lightning) would take longer
+        dist.all_reduce(summed)  # than the test
+        return summed.tolist()
+
+    try:
+        rows = slice(4 * rank, 4 * rank + 4)
+        rewards, group = torch.tensor(BATCH_REWARDS)[rows], torch.tensor([0, 0, 1, 1])
+        torch.save((GRPO(scale_rewards="batch").advantages(rewards, group, over_ranks),
+                    GRPO(scale_rewards="batch").advantages(rewards, group)), f"{folder}/{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_batch_scaled_advantages_on_two_processes_equal_one_process(tmp_path):
+    """scale_rewards: batch on 2 gloo processes: each divides by the std of all 8 rewards (0.535),
+    as one process does, not by its own 4 (0.577 and 0.5)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    one = GRPO(scale_rewards="batch").advantages(torch.tensor(BATCH_REWARDS), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]))
+    close(one, [0.5 / (0.5345225 + 1e-6) * a for a in (1, -1, 0, 0, -1, 1, 0, 0)], tol=1e-5)
+    mp.spawn(_batch_scaled_worker, args=(2, port, str(tmp_path)), nprocs=2)
+    (gathered_0, alone_0), (gathered_1, alone_1) = (torch.load(tmp_path / f"{rank}.pt") for rank in range(2))
+    gathered, alone = torch.cat([gathered_0, gathered_1]), torch.cat([alone_0, alone_1])
+    close(gathered, one)
+    assert not torch.allclose(alone, one)  # each rank's own std
 
 
 def test_grpo_asymmetric_clip_hand_computed():
@@ -224,6 +289,26 @@ def test_grpo_kl_clamp_hand_computed():
     assert metrics["kl"] == pytest.approx((10 + k3_1) / 2, rel=1e-5)
 
 
+@pytest.mark.parametrize("advantage", [1.0, -1.0])
+def test_a_huge_log_ratio_is_clamped_to_a_finite_loss_and_gradient(advantage):
+    """Row 0's log-ratio is 100 (exp overflows float32), row 1's is 0. The log-ratio is clamped to
+    20 before exp, as verl clamps it: the loss and the gradient stay finite, the clamped token gets
+    no gradient (the clamp's), and the clamped share of the counted tokens is 1/2. With A = -1 the
+    PPO term of row 0 is e^20 (dual clip off), finite; row 1's gradient is -A r / 2."""
+    batch = inputs([0.0, 0.0], logp=[[100.0], [0.0]], author=[[S], [S]], old_logp=torch.zeros(2, 1),
+                   advantages=torch.full((2,), advantage))
+    loss, grad, metrics = loss_and_grad(GRPO(), batch)
+    assert math.isfinite(loss) and torch.isfinite(grad).all()
+    close(grad, [[0.0], [-advantage / 2]])
+    expected = (-1.2 - 1.0) / 2 if advantage > 0 else (math.exp(20.0) + 1.0) / 2
+    assert loss == pytest.approx(expected, rel=1e-5)
+    assert metrics["ratio_clamped_fraction"] == pytest.approx(0.5)
+    # the KL term's log-ratio too (k3 of ref - logp = 100 would be inf before its own clamp)
+    batch = inputs([0.0], logp=[[-100.0]], author=[[S]], ref_logp=torch.zeros(1, 1), advantages=torch.zeros(1))
+    loss, grad, _ = loss_and_grad(GRPO(kl_coef=1.0, kl_clamp=10.0), batch)
+    assert loss == pytest.approx(10.0) and torch.isfinite(grad).all()
+
+
 def test_token_metrics_count_only_tokens_in_the_loss():
     """junior_weight 0: junior tokens leave clip_fraction and ratio_mean. Row 0 (A=+1): a senior
     token at ratio 1.5 (clipped) and a junior token at ratio 1.0; the fraction is 1 of 1 senior
@@ -259,10 +344,64 @@ def test_truncated_importance_sampling_hand_computed(objective):
         objective(inputs([1.0], logp=logp, author=[[S, S, J]], advantages=torch.tensor([1.0])))
 
 
+@pytest.mark.parametrize("objective", [GRPO(tis_cap=2.0, tis_level="sequence"), GRPO(tis_cap=4.0, tis_level="sequence"),
+                                       Reinforce(tis_cap=2.0, tis_level="sequence")], ids=repr)
+def test_sequence_level_truncated_importance_sampling_hand_computed(objective):
+    """tis_level sequence, on-policy, one row [S, S, J], A = +1: the engine's log-probs are
+    [logp - log 1.5, logp - log 2, anything]: the row's weight is 1.5 x 2 = 3 (the junior token's
+    ratio is 1), min(3, cap) on every token of the row. GRPO (junior weight 0): the 2 senior
+    tokens' gradient -A x factor / 2; REINFORCE (junior weight 1): -factor / 3 on all 3 tokens."""
+    logp = [[-1.0, -2.0, -0.5]]
+    rollout = torch.tensor(logp) - torch.tensor([[math.log(1.5), math.log(2.0), 7.0]])
+    batch = inputs([1.0], logp=logp, author=[[S, S, J]], advantages=torch.tensor([1.0]), rollout_logp=rollout)
+    _, grad, metrics = loss_and_grad(objective, batch)
+    factor = min(3.0, objective.tis_cap)
+    if isinstance(objective, GRPO):
+        close(grad, [[-factor / 2, -factor / 2, 0.0]], tol=1e-5)
+    else:
+        close(grad, [[-factor / 3] * 3], tol=1e-5)
+    assert metrics["tis_weight_mean"] == pytest.approx(factor, rel=1e-5)
+    assert metrics["tis_capped_fraction"] == (1.0 if objective.tis_cap < 3 else 0.0)
+
+
+def test_geometric_mean_sequence_masking_hand_computed():
+    """geo_mask 1.002: a row leaves the loss when the geometric mean of its senior tokens' weights
+    exp(mean(old - rollout)) is outside [1/1.002, 1.002], i.e. |mean log-ratio| > log 1.002 = 0.001998.
+    Row 0: mean 0.001 (kept); row 1: mean (0.01 - 0.002) / 2 = 0.004 (masked); row 2: its one
+    senior token -0.005 (masked; the junior token's 5 is not the senior's); row 3: no senior token (kept)."""
+    old = torch.zeros(4, 2)
+    rollout = -torch.tensor([[0.001, 0.001], [0.01, -0.002], [-0.005, 5.0], [3.0, 3.0]])
+    author = torch.tensor([[S, S], [S, S], [S, J], [J, J]])
+    objective = GRPO(geo_mask=1.002)
+    assert objective.masks_sequences and not GRPO().masks_sequences
+    assert objective.rejected(old, rollout, author).tolist() == [False, True, True, False]
+    assert GRPO().rejected(old, rollout, author).tolist() == [False] * 4
+    with pytest.raises(ConfigError, match="geo_mask needs the rollout engine's log-probs"):
+        objective.rejected(old, None, author)
+
+
+def test_mismatch_stats_hand_computed():
+    """Senior tokens with old - rollout = [log 2, 0, -log 2], weights [2, 1, 0.5]; the junior token's
+    10 is not measured. k3 = w - 1 - log w: [1 - log 2, 0, log 2 - 0.5], mean 0.5 / 3. ESS =
+    (sum w)^2 / (n sum w^2) = 3.5^2 / (3 x 5.25) = 7/9. Added in two parts: the same."""
+    from tandem_lit.objectives.mismatch import MismatchStats
+
+    old = torch.tensor([[math.log(2.0), 0.0], [-math.log(2.0), 10.0]])
+    rollout, author = torch.zeros(2, 2), torch.tensor([[S, S], [S, J]])
+    whole, parts = MismatchStats(), MismatchStats()
+    whole.add(old, rollout, author)
+    parts.add(old[:1], rollout[:1], author[:1])
+    parts.add(old[1:], rollout[1:], author[1:])
+    parts.add(old, None, author)  # an engine without log-probs adds nothing
+    for stats in (whole, parts):
+        assert stats.metrics() == pytest.approx({"mismatch_kl": 0.5 / 3, "mismatch_ess": 7 / 9})
+    assert MismatchStats().metrics() == {}
+
+
 @pytest.mark.parametrize("kwargs", [
     {"scale_rewards": "std"}, {"clip_low": -0.1}, {"clip_high": -1}, {"kl_coef": -0.5},
     {"aggregation": "mean"}, {"junior_weight": -1}, {"clip_ratio_c": 1.0}, {"kl_clamp": 0.0},
-    {"tis_cap": 0.0},
+    {"tis_cap": 0.0}, {"tis_level": "sequence"}, {"tis_cap": 2.0, "tis_level": "row"}, {"geo_mask": 1.0},
 ])
 def test_grpo_bad_settings(kwargs):
     with pytest.raises(ConfigError):

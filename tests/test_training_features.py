@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -69,9 +70,9 @@ class SpyGRPO(GRPO):
         self.calls: list[ObjectiveInputs] = []
         self.advantage_rewards: list[torch.Tensor] = []
 
-    def advantages(self, rewards, group):
+    def advantages(self, rewards, group, over_ranks=None):
         self.advantage_rewards.append(rewards.detach().clone())
-        return super().advantages(rewards, group)
+        return super().advantages(rewards, group, over_ranks)
 
     def loss_and_metrics(self, inputs, scale=None):
         self.calls.append(inputs)
@@ -297,6 +298,44 @@ def test_overlong_penalty_replaces_the_reward_of_truncated_rollouts(tmp_path):
     assert torch.equal(used[~truncated], result.rewards[~truncated])
     assert (result.rewards[~truncated] >= 0).all()  # the verifier's own rewards, untouched
     assert objective.calls[0].mask is None  # penalised, not masked
+
+
+def test_soft_overlong_punishment_hand_computed():
+    """DAPO's soft overlong punishment, cap 10, buffer 4, factor 0.5: no change up to 6 tokens,
+    then (6 - length) / 4 * 0.5: 7 tokens -0.125, 9 tokens -0.375, 10 (the cap, truncated) -0.5.
+    ``penalty`` replaces a truncated row's reward; ``keep`` and ``mask`` change none."""
+    rewards, lengths = torch.tensor([1.0, 1.0, 0.0, 1.0]), torch.tensor([4, 7, 9, 10])
+    truncated = torch.tensor([False, False, False, True])
+    soft = OverlongPolicy(mode="soft", buffer=4, penalty_factor=0.5)
+    assert soft.rewards(rewards, lengths, truncated, max_tokens=10).tolist() == [1.0, 0.875, -0.375, 0.5]
+    penalty = OverlongPolicy(mode="penalty", penalty=-1.0)
+    assert penalty.rewards(rewards, lengths, truncated, max_tokens=10).tolist() == [1.0, 1.0, 0.0, -1.0]
+    for mode in ("keep", "mask"):
+        assert OverlongPolicy(mode=mode).rewards(rewards, lengths, truncated, max_tokens=10).equal(rewards)
+    with pytest.raises(ConfigError, match="overlong.buffer"):
+        OverlongPolicy(mode="soft")
+    with pytest.raises(ConfigError, match=r"overlong.buffer \(12\) must be at most"):
+        OverlongPolicy(mode="soft", buffer=12).rewards(rewards, lengths, truncated, max_tokens=10)
+
+
+def test_dynamic_sampling_filters_on_the_rewards_the_objective_sees():
+    """Every completion is rewarded 1 (no group has spread in the verifier's rewards), but under
+    the soft overlong punishment over the whole budget the rewards fall with length: the groups
+    whose lengths differ have advantages, and dynamic sampling keeps them. Under ``penalty`` with
+    the verifier's own reward as the penalty, nothing differs and every group is dropped."""
+    rows = [row(f"Q: {i}?", ALWAYS) for i in range(2)]
+    sampling = SamplingConfig(temperature=1.0, n=GROUP, max_new_tokens=60)
+    soft = tandem_module(dynamic_sampling=DynamicSampling(prompts_per_step=2, max_rounds=1), sampling=sampling,
+                         overlong=OverlongPolicy(mode="soft", buffer=60))
+    soft.configure_model()
+    result, stats = soft.rollouts.informative(rows, soft.handoff, key=0)
+    assert stats["kept_groups"] == 2.0 and result.groups_with_spread() == []  # kept on the trained rewards alone
+    assert sorted(result.groups_with_spread(soft.rollouts.trained_rewards(result))) == [0, 1]
+    flat = tandem_module(dynamic_sampling=DynamicSampling(prompts_per_step=2, max_rounds=1), sampling=sampling,
+                         overlong=OverlongPolicy(mode="penalty", penalty=1.0))
+    flat.configure_model()
+    assert flat.rollouts.informative(rows, flat.handoff, key=0) == (None, {"sampling_rounds": 1.0, "dropped_groups": 2.0,
+                                                                           "kept_groups": 0.0})
 
 
 def test_overlong_policy_rejects_unknown_modes():
@@ -539,6 +578,84 @@ def test_a_head_with_rows_past_the_tokenizer_is_scored_over_what_the_engine_samp
     assert 0 <= train_rows(module)[-1]["train/rollout_logp_gap_mean"] < 1e-3
     assert module.updates.vocab == len(module.tokenizer) == config["vocab_size"]
     assert module.senior.get_output_embeddings().weight.shape[0] == config["vocab_size"] + 64
+
+
+def test_update_passes_run_without_lora_dropout(tmp_path):
+    """LoRA dropout 0.5 (SFT's setting) on the tiny senior: the update's passes must not draw
+    dropout masks. Two no-grad passes (old log-probs) give identical log-probs in train mode, and at
+    lr 0 the later mini-batch's training forward equals its old log-probs computed before the first
+    update (ratio 1 at its first pass, not e^(mask noise))."""
+    objective = SpyGRPO()
+    module = tandem_module(objective=objective, lora=LoraSettings(r=4, alpha=8, dropout=0.5), mini_batch_size=1,
+                           optimizer=lambda params: torch.optim.SGD(params, lr=0.0))
+    module.configure_model()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # adapters as after some training (peft starts B at 0: no dropout would show)
+        for name, p in module.senior.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.5)
+    captured = spy_on_optimise(module)
+    fit(module, RowsDataModule([row(f"q{i} ", VOWELS) for i in range(2)], batch_size=2), tmp_path, steps=2)
+    # (the first mini-batch's old log-probs are its own forward's, detached: the same storage)
+    later = [call for call in objective.calls if call.old_logp.data_ptr() != call.logp.data_ptr()]
+    assert later, "the second mini-batch's passes take their old log-probs from the no-grad pass"
+    for call in later:
+        senior = call.author == Author.SENIOR
+        ratio = torch.exp(call.logp.detach() - call.old_logp)[senior]
+        assert torch.allclose(ratio, torch.ones_like(ratio), atol=1e-5), ratio
+    module.senior.train()
+    rollout = captured["result"].rollout
+    first = module.updates.behaviour_logprobs(rollout, module.device)
+    assert torch.equal(first, module.updates.behaviour_logprobs(rollout, module.device))
+    dropouts = [m for m in module.senior.modules() if isinstance(m, torch.nn.Dropout)]
+    assert dropouts and all(m.p == 0.0 for m in dropouts)
+
+
+class OffByTwoOddRowsEngine(FastEngine):
+    """An engine that reports the log-probs of every other row 2 nats too low: those rows look
+    drawn from another policy."""
+
+    def generate(self, prompts, policy, sampling):
+        rollout = super().generate(prompts, policy, sampling)
+        shift = torch.zeros_like(rollout.senior_logprobs)
+        shift[1::2] = 2.0
+        return dataclasses.replace(rollout, senior_logprobs=rollout.senior_logprobs - shift)
+
+
+def test_mismatch_metrics_and_geometric_sequence_masking_in_a_step(tmp_path):
+    """A float32 engine agrees with the trainer: mismatch_kl 0, mismatch_ess 1, no row masked. An
+    engine off by 2 nats on every other row: geo_mask leaves exactly those rows (the ones with a
+    senior token) out of the loss, and the metrics see the mismatch (per such token the weight is
+    e^2, its k3 e^2 - 3)."""
+    data = RowsDataModule([row(f"q{i} ", VOWELS) for i in range(4)], batch_size=2)
+    healthy = tandem_module(engine=FastEngine(rollout_dtype="float32"), objective=SpyGRPO(geo_mask=1.5))
+    fit(healthy, data, tmp_path / "healthy")
+    logged = train_rows(healthy)[-1]
+    assert logged["train/mismatch_kl"] == pytest.approx(0.0, abs=1e-6)
+    assert logged["train/mismatch_ess"] == pytest.approx(1.0, abs=1e-6)
+    assert logged["train/geo_masked_fraction"] == 0.0 and logged["train/included_fraction"] == 1.0
+
+    objective = SpyGRPO(geo_mask=1.5)
+    broken = tandem_module(engine=OffByTwoOddRowsEngine(rollout_dtype="float32"), objective=objective,
+                           logp_gap_limit=None, logp_gap_warning=None)
+    captured = spy_on_optimise(broken)
+    fit(broken, data, tmp_path / "broken")
+    logged = train_rows(broken)[-1]
+    author = captured["result"].rollout.author
+    has_senior = (author == Author.SENIOR).any(-1)
+    shifted = torch.zeros_like(has_senior)
+    shifted[1::2] = True
+    masked = (shifted & has_senior).float().mean().item()
+    assert masked > 0
+    assert logged["train/geo_masked_fraction"] == pytest.approx(masked)
+    assert logged["train/included_fraction"] == pytest.approx(1 - masked)
+    (inputs,) = objective.calls
+    assert torch.equal(inputs.mask.cpu(), ~(shifted & has_senior))
+    senior = author == Author.SENIOR
+    share = (senior & shifted.unsqueeze(-1)).sum().item() / senior.sum().item()  # tokens at weight e^2
+    assert logged["train/mismatch_kl"] == pytest.approx(share * (math.exp(2) - 3), rel=1e-3)
+    ess = (share * math.exp(2) + 1 - share) ** 2 / (share * math.exp(4) + 1 - share)
+    assert logged["train/mismatch_ess"] == pytest.approx(ess, rel=1e-3)
 
 
 def test_logp_gap_limit_must_be_positive():

@@ -33,9 +33,10 @@ class RolloutResult:
         """The same result with its rollout on ``device`` (group ids and grades stay on the host)."""
         return replace(self, rollout=self.rollout.to(device))
 
-    def groups_with_spread(self) -> list[int]:
-        """Prompt indices whose rollouts did not all get the same reward."""
-        rewards = self.rewards
+    def groups_with_spread(self, rewards: Tensor | None = None) -> list[int]:
+        """Prompt indices whose rollouts did not all get the same reward (``rewards``: these
+        instead of the verifier's, e.g. with an overlong penalty applied)."""
+        rewards = self.rewards if rewards is None else rewards.cpu()
         return [int(g) for g in self.group.unique() if rewards[self.group == g].unique().numel() > 1]
 
     def keep_groups(self, groups: list[int], offset: int) -> RolloutResult:

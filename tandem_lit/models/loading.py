@@ -64,7 +64,8 @@ class LoraSettings:
     Args:
         r: Adapter rank (Tandem Training: 16).
         alpha: LoRA alpha (scaling = alpha / r).
-        dropout: Dropout on the adapter input.
+        dropout: Dropout on the adapter input, for supervised fine-tuning: RL updates run
+            without dropout (``training.update_phase.without_dropout``).
         target_modules: ``all-linear`` or a list of module names.
         load_in_4bit: QLoRA: load the base weights in 4-bit NF4 (needs bitsandbytes and a GPU;
             ``pip install tandem-lit[qlora]``).

@@ -13,7 +13,9 @@ full-batch loss exactly.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -21,8 +23,12 @@ import torch
 from torch import Tensor
 
 from tandem_lit.errors import ConfigError, TandemLitError
+from tandem_lit.objectives.mismatch import geometric_log_ratio, senior_log_ratio, sequence_log_ratio
 from tandem_lit.rollout.record import Author
 
+#: sums a list of numbers over the processes of a run (``training.distributed.all_reduce_sum``)
+RankSum = Callable[[list[float]], list[float]]
+TisLevel = Literal["token", "sequence"]
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
@@ -53,7 +59,7 @@ class LossScale:
     """Normalisers of the aggregated loss, computed over the whole optimiser batch."""
 
     weight_sum: float  # sum of token weights of the sequences that enter the loss
-    sequences: int  # number of sequences that enter the loss
+    sequences: int  # number of sequences that enter the loss with a token of weight > 0
     max_tokens: int  # completion token budget (constant normalisation)
 
 
@@ -61,6 +67,13 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     """Mean of ``values`` where ``mask`` holds (0 when it holds nowhere)."""
     mask = mask.float()
     return (values * mask).sum() / mask.sum().clamp_min(1)
+
+
+def weighted_rows(weights: Tensor, keep: Tensor) -> int:  # [N, T], [N] bool
+    """The rows that enter the loss with some weight: the seq-mean aggregations' count. A row whose
+    every token weighs 0 (all the junior's at ``junior_weight`` 0) adds nothing to the numerator,
+    so it stays out of the count too (verl's seq-mean rule), rather than diluting the mean."""
+    return int((keep & (weights.sum(-1) > 0)).sum())
 
 
 def token_weights(author: Tensor | None, junior_weight: float, like: Tensor, check: bool = True) -> Tensor:  # -> [N, T] float
@@ -101,6 +114,16 @@ class Objective(ABC):
             each senior token's policy-gradient term is multiplied by
             ``min(exp(train_logp - rollout_logp), tis_cap)`` (detached). None: off. Junior tokens
             were drawn from the junior, not from any senior copy: their factor is 1.
+        tis_level: ``token`` (each senior token its own weight, above) or ``sequence`` (verl's
+            ``rollout_is: sequence``): every token of a row is multiplied by the row's weight,
+            ``min(exp(sum over its senior tokens of (train_logp - rollout_logp)), tis_cap)``, the
+            whole sequence's likelihood ratio (unbiased before the cap, higher variance).
+        geo_mask: Geometric-mean sequence masking (verl's ``rollout_rs: geometric`` with
+            ``rollout_rs_threshold``): a row whose senior tokens' geometric-mean weight
+            ``exp(mean(train_logp - rollout_logp))`` lies outside ``[1 / geo_mask, geo_mask]`` is
+            left out of the loss and its normaliser (verl suggests 1.0002 to 1.001; > 1).
+            None: off. Needs the old log-probs of every row before the passes: the update then
+            computes the first mini-batch's in a forward-only pass too.
     """
 
     #: True when the loss needs log-probs from before the update (importance ratio)
@@ -108,16 +131,25 @@ class Objective(ABC):
     #: True when advantages compare the rollouts of one prompt (needs sampling.n >= 2)
     group_relative: bool = False
 
-    def __init__(self, junior_weight: float, aggregation: Aggregation = "token-mean", tis_cap: float | None = None):
+    def __init__(self, junior_weight: float, aggregation: Aggregation = "token-mean", tis_cap: float | None = None,
+                 tis_level: TisLevel = "token", geo_mask: float | None = None):
         if junior_weight < 0:
             raise ConfigError(f"junior_weight must be >= 0, got {junior_weight}")
         if aggregation not in AGGREGATIONS:
             raise ConfigError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
         if tis_cap is not None and tis_cap <= 0:
             raise ConfigError(f"tis_cap must be > 0 (verl uses 2.0), got {tis_cap}")
+        if tis_level not in ("token", "sequence"):
+            raise ConfigError(f"tis_level must be 'token' or 'sequence', got {tis_level!r}")
+        if tis_level != "token" and tis_cap is None:
+            raise ConfigError(f"tis_level {tis_level!r} weights by the importance ratio up to tis_cap: set tis_cap (verl uses 2.0)")
+        if geo_mask is not None and geo_mask <= 1:
+            raise ConfigError(f"geo_mask must be > 1 (verl suggests 1.0002 to 1.001), got {geo_mask}")
         self.junior_weight = float(junior_weight)
         self.aggregation = aggregation
         self.tis_cap = None if tis_cap is None else float(tis_cap)
+        self.tis_level = tis_level
+        self.geo_mask = None if geo_mask is None else float(geo_mask)
 
     @property
     def uses_reference(self) -> bool:
@@ -125,8 +157,11 @@ class Objective(ABC):
         return False
 
     @abstractmethod
-    def advantages(self, rewards: Tensor, group: Tensor) -> Tensor:  # [N], [N] -> [N]
-        """The per-sequence learning signal, computed over the whole batch."""
+    def advantages(self, rewards: Tensor, group: Tensor, over_ranks: RankSum | None = None) -> Tensor:  # [N], [N] -> [N]
+        """The per-sequence learning signal, computed over the whole batch. On several processes
+        each holds whole groups of the batch, and ``over_ranks`` sums a list of numbers over the
+        processes: a statistic of the whole batch (``scale_rewards: batch``) goes through it, so
+        that W processes compute what one process computes (None: one process)."""
 
     def included(self, advantages: Tensor) -> Tensor:  # [N] -> [N] bool
         """Sequences that enter the loss and its normaliser (default: all)."""
@@ -140,29 +175,54 @@ class Objective(ABC):
         are averaged over those only, so masked junior tokens never dilute them."""
 
     def importance_correction(self, inputs: ObjectiveInputs, counted: Tensor) -> tuple[Tensor | float, dict[str, Tensor]]:
-        """The truncated-importance-sampling factor of each token (1.0 when ``tis_cap`` is None)."""
+        """The truncated-importance-sampling factor of each token (1.0 when ``tis_cap`` is None),
+        per token or per sequence (``tis_level``)."""
         if self.tis_cap is None:
             return 1.0, {}
-        if inputs.rollout_logp is None:
-            raise ConfigError(
-                "tis_cap needs the rollout engine's log-probs of the senior (Rollout.senior_logprobs), and this "
-                "batch has none: use an engine that records them (FastEngine, HFEngine) or set tis_cap: null"
-            )
+        rollout = self.engine_logprobs(inputs.rollout_logp, "tis_cap")
         old = inputs.old_logp if inputs.old_logp is not None else inputs.logp.detach()
-        ratio = torch.exp(old - inputs.rollout_logp).clamp(max=self.tis_cap)
+        delta = senior_log_ratio(old, rollout, inputs.author)
         senior = inputs.author.long() == Author.SENIOR
-        factor = torch.where(senior, ratio, 1.0).detach()
+        if self.tis_level == "token":
+            weight = torch.exp(delta)
+        else:  # the row's likelihood ratio on each of its tokens (junior tokens too: they are the row's)
+            weight = torch.exp(sequence_log_ratio(delta)).unsqueeze(-1).expand_as(delta)
+        factor = weight.clamp(max=self.tis_cap)
+        if self.tis_level == "token":
+            factor = torch.where(senior, factor, 1.0)
         measured = counted & senior
-        return factor, {
+        return factor.detach(), {
             "tis_weight_mean": masked_mean(factor, measured),
-            "tis_capped_fraction": masked_mean((ratio >= self.tis_cap).float(), measured),
+            "tis_capped_fraction": masked_mean((weight >= self.tis_cap).float(), measured),
         }
+
+    def engine_logprobs(self, rollout_logp: Tensor | None, setting: str) -> Tensor:
+        if rollout_logp is None:
+            raise ConfigError(
+                f"{setting} needs the rollout engine's log-probs of the senior (Rollout.senior_logprobs), and this "
+                f"batch has none: use an engine that records them (FastEngine, HFEngine) or set {setting}: null"
+            )
+        return rollout_logp
+
+    @property
+    def masks_sequences(self) -> bool:
+        """True when rows leave the loss by their old log-probs (``geo_mask``): the update then
+        needs every row's old log-probs before its passes."""
+        return self.geo_mask is not None
+
+    def rejected(self, old_logp: Tensor, rollout_logp: Tensor | None, author: Tensor) -> Tensor:  # [N, T] each -> [N] bool
+        """Rows that geometric-mean sequence masking (``geo_mask``) leaves out of the loss."""
+        if self.geo_mask is None:
+            return torch.zeros(old_logp.shape[0], dtype=torch.bool, device=old_logp.device)
+        rollout = self.engine_logprobs(rollout_logp, "geo_mask")
+        geometric = geometric_log_ratio(senior_log_ratio(old_logp, rollout, author), author)
+        return geometric.abs() > math.log(self.geo_mask)
 
     def loss_scale(self, author: Tensor | None, advantages: Tensor, max_tokens: int, mask: Tensor | None = None) -> LossScale:
         """Normalisers over a whole optimiser batch (pass the same to each micro-batch)."""
         keep = self.included(advantages) if mask is None else self.included(advantages) & mask
         weights = token_weights(author, self.junior_weight, like=author if author is not None else advantages)
-        return LossScale(weight_sum=float(weights[keep].sum()), sequences=int(keep.sum()), max_tokens=max_tokens)
+        return LossScale(weight_sum=float(weights[keep].sum()), sequences=weighted_rows(weights, keep), max_tokens=max_tokens)
 
     def __call__(self, inputs: ObjectiveInputs, scale: LossScale | None = None) -> tuple[Tensor, dict[str, float]]:
         loss, metrics = self.loss_and_metrics(inputs, scale)
@@ -178,7 +238,7 @@ class Objective(ABC):
         keep = self.included(advantages) if inputs.mask is None else self.included(advantages) & inputs.mask
         weights = weights * keep.unsqueeze(-1)
         if scale is None:
-            scale = LossScale(float(weights.sum()), int(keep.sum()), inputs.logp.shape[1])
+            scale = LossScale(float(weights.sum()), weighted_rows(weights, keep), inputs.logp.shape[1])
         per_token, metrics = self.token_loss(inputs, advantages, weights > 0)
         loss = self._aggregate(per_token, weights, scale)
         out = {name: value.detach() for name, value in metrics.items()}

@@ -13,18 +13,21 @@ one, where the two are the same forward (verl recomputes it; the value is identi
 rollout engine's own log-probs (a bf16 copy) enter only through ``tis_cap``.
 
 ``scale_rewards``: ``group`` divides by the group's standard deviation (GRPO), ``batch`` by the
-whole batch's (Hu et al., REINFORCE++ style), ``none`` keeps the centred rewards (Dr. GRPO).
+whole batch's (Hu et al., REINFORCE++ style; over every process's rows, as TRL gathers them),
+``none`` keeps the centred rewards (Dr. GRPO).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
 from torch import Tensor
 
 from tandem_lit.errors import ConfigError
-from tandem_lit.objectives.base import Aggregation, Objective, ObjectiveInputs, masked_mean
+from tandem_lit.objectives.base import Aggregation, Objective, ObjectiveInputs, RankSum, TisLevel, masked_mean
+from tandem_lit.objectives.mismatch import LOG_RATIO_BOUND
 
 
 def group_centred(rewards: Tensor, group: Tensor) -> tuple[Tensor, Tensor]:
@@ -38,6 +41,17 @@ def group_centred(rewards: Tensor, group: Tensor) -> tuple[Tensor, Tensor]:
     square = torch.zeros(groups, device=rewards.device).index_add_(0, index, centred**2)
     std = (square / (count - 1).clamp_min(1)).sqrt()
     return centred, std[index]
+
+
+def batch_std(rewards: Tensor, over_ranks: RankSum | None = None) -> float | None:
+    """The unbiased standard deviation of the whole batch's rewards (None under 2 rewards), from
+    their count, sum and sum of squares summed ``over_ranks``: every process divides by the one
+    number a single process would (TRL gathers the rewards before ``scale_rewards="batch"``)."""
+    moments = [float(rewards.numel()), float(rewards.double().sum()), float(rewards.double().square().sum())]
+    count, total, squares = over_ranks(moments) if over_ranks is not None else moments
+    if count < 2:
+        return None
+    return math.sqrt(max(squares - total * total / count, 0.0) / (count - 1))
 
 
 class GRPO(Objective):
@@ -56,7 +70,8 @@ class GRPO(Objective):
             run far past the clip range cannot dominate the update. None: off.
         kl_clamp: Clamp the per-token k3 KL term to [-kl_clamp, kl_clamp] (verl's low_var_kl
             uses 10). None: no clamp.
-        tis_cap: See ``Objective`` (truncated importance sampling; None: off).
+        tis_cap, tis_level, geo_mask: See ``Objective`` (truncated importance sampling per token
+            or sequence, geometric-mean sequence masking; None: off).
     """
 
     uses_old_logp = True
@@ -74,8 +89,11 @@ class GRPO(Objective):
         clip_ratio_c: float | None = None,
         kl_clamp: float | None = None,
         tis_cap: float | None = None,
+        tis_level: TisLevel = "token",
+        geo_mask: float | None = None,
     ):
-        super().__init__(junior_weight=junior_weight, aggregation=aggregation, tis_cap=tis_cap)
+        super().__init__(junior_weight=junior_weight, aggregation=aggregation, tis_cap=tis_cap, tis_level=tis_level,
+                         geo_mask=geo_mask)
         if clip_ratio_c is not None and clip_ratio_c <= 1:
             raise ConfigError(f"clip_ratio_c must be > 1 (verl's default is 3.0), got {clip_ratio_c}")
         if kl_clamp is not None and kl_clamp <= 0:
@@ -98,19 +116,24 @@ class GRPO(Objective):
     def uses_reference(self) -> bool:
         return self.kl_coef > 0
 
-    def advantages(self, rewards: Tensor, group: Tensor) -> Tensor:
+    def advantages(self, rewards: Tensor, group: Tensor, over_ranks: RankSum | None = None) -> Tensor:
         rewards = rewards.float()
-        centred, group_std = group_centred(rewards, group)
+        centred, group_std = group_centred(rewards, group)  # (each group lies on one process)
         if self.scale_rewards == "group":
             return centred / (group_std + self.eps)
         if self.scale_rewards == "batch":
-            return centred / (rewards.std() + self.eps) if rewards.numel() > 1 else centred
+            std = batch_std(rewards, over_ranks)
+            return centred / (std + self.eps) if std is not None else centred
         return centred
 
     def token_loss(self, inputs: ObjectiveInputs, advantages: Tensor, counted: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         logp = inputs.logp
         old = inputs.old_logp if inputs.old_logp is not None else logp.detach()
-        ratio = torch.exp(logp - old)
+        log_ratio = logp - old
+        clamped = log_ratio.detach().abs() > LOG_RATIO_BOUND
+        # exp of a log-ratio past ~88 is inf in float32 (an inf loss or a NaN gradient): bounded
+        # as verl bounds it; a clamped token's gradient is 0, and the share is logged
+        ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
         adv = advantages.unsqueeze(-1)
         unclipped = -adv * ratio
         clipped = -adv * ratio.clamp(1.0 - self.clip_low, 1.0 + self.clip_high)
@@ -118,6 +141,7 @@ class GRPO(Objective):
         metrics = {
             "clip_fraction": masked_mean((clipped > unclipped).float(), counted),
             "ratio_mean": masked_mean(ratio.detach(), counted),
+            "ratio_clamped_fraction": masked_mean(clamped.float(), counted),
             "advantage_std": advantages.std() if advantages.numel() > 1 else advantages.new_zeros(()),
         }
         if self.clip_ratio_c is not None:
@@ -131,7 +155,7 @@ class GRPO(Objective):
         if self.kl_coef > 0:
             if inputs.ref_logp is None:
                 raise ConfigError("GRPO with kl_coef > 0 needs reference log-probs (ref_logp), got None")
-            delta = inputs.ref_logp - logp
+            delta = (inputs.ref_logp - logp).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # as verl's low_var_kl
             kl = torch.exp(delta) - delta - 1.0  # k3 estimator of KL(pi || ref)
             if self.kl_clamp is not None:
                 kl = kl.clamp(-self.kl_clamp, self.kl_clamp)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from tandem_lit.objectives.base import Aggregation, Objective, ObjectiveInputs
+from tandem_lit.objectives.base import Aggregation, Objective, ObjectiveInputs, RankSum, TisLevel
 
 
 class Reinforce(Objective):
@@ -26,17 +26,19 @@ class Reinforce(Objective):
         failed_weight: ``c``, the sequence weight of a rollout with reward <= 0 (0 discards it).
         junior_weight: ``j``, the loss weight of a junior-written token (1: not masked).
         aggregation: See ``Objective``.
-        tis_cap: See ``Objective`` (truncated importance sampling; None: off).
+        tis_cap, tis_level, geo_mask: See ``Objective`` (truncated importance sampling per token
+            or sequence, geometric-mean sequence masking; None: off).
     """
 
     def __init__(
         self, failed_weight: float = 0.0, junior_weight: float = 1.0, aggregation: Aggregation = "token-mean",
-        tis_cap: float | None = None,
+        tis_cap: float | None = None, tis_level: TisLevel = "token", geo_mask: float | None = None,
     ):
-        super().__init__(junior_weight=junior_weight, aggregation=aggregation, tis_cap=tis_cap)
+        super().__init__(junior_weight=junior_weight, aggregation=aggregation, tis_cap=tis_cap, tis_level=tis_level,
+                         geo_mask=geo_mask)
         self.failed_weight = float(failed_weight)
 
-    def advantages(self, rewards: Tensor, group: Tensor) -> Tensor:
+    def advantages(self, rewards: Tensor, group: Tensor, over_ranks: RankSum | None = None) -> Tensor:
         rewards = rewards.float()
         return torch.where(rewards > 0, rewards, torch.full_like(rewards, self.failed_weight))
 
@@ -54,6 +56,7 @@ class SoftMaskedReinforce(Reinforce):
 
     def __init__(
         self, failed_weight: float = -0.5, junior_weight: float = 0.2, aggregation: Aggregation = "token-mean",
-        tis_cap: float | None = None,
+        tis_cap: float | None = None, tis_level: TisLevel = "token", geo_mask: float | None = None,
     ):
-        super().__init__(failed_weight=failed_weight, junior_weight=junior_weight, aggregation=aggregation, tis_cap=tis_cap)
+        super().__init__(failed_weight=failed_weight, junior_weight=junior_weight, aggregation=aggregation, tis_cap=tis_cap,
+                         tis_level=tis_level, geo_mask=geo_mask)

@@ -142,7 +142,8 @@ class TandemModule(EvaluationSteps, L.LightningModule):
                 f"handoff {handoff!r} and evaluation.modes {self.evaluation.modes} need a junior model: set "
                 "`junior`, or use SoloHandoff(author='senior') with evaluation.modes: [senior] for plain RL"
             )
-        self.rollouts = RolloutPhase(self.rollout_settings, verifier, junior is not None, self.ready_engine, lambda: self.device)
+        self.rollouts = RolloutPhase(self.rollout_settings, verifier, junior is not None, self.ready_engine, lambda: self.device,
+                                     self.update_settings.overlong)
         self.updates = UpdatePhase(self.update_settings, self.memory, objective, self.sampling)
         self._engine_device: torch.device | None = None
         # optimiser updates (and checkpoint loads) so far, and the version the engine decodes

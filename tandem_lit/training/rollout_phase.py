@@ -28,7 +28,7 @@ from tandem_lit.rollout.handoff import HandoffPolicy
 from tandem_lit.rollout.record import Author, PromptBatch, Rollout
 from tandem_lit.rollout.sampling import SamplingConfig, sequence_seeds
 from tandem_lit.training.distributed import Shares
-from tandem_lit.training.settings import PromptFormat, RolloutSettings
+from tandem_lit.training.settings import OverlongPolicy, PromptFormat, RolloutSettings
 from tandem_lit.verifiers.base import Verifier
 
 log = logging.getLogger(__name__)
@@ -45,8 +45,10 @@ class RolloutPhase:
     """
 
     def __init__(self, settings: RolloutSettings, verifier: Verifier, has_junior: bool,
-                 ready_engine: Callable[[], RolloutEngine], device: Callable[[], torch.device]):
+                 ready_engine: Callable[[], RolloutEngine], device: Callable[[], torch.device],
+                 overlong: OverlongPolicy | None = None):
         self.settings = settings
+        self.overlong = overlong or OverlongPolicy()  # the update's: what dynamic sampling filters on
         self.verifier = verifier
         self.has_junior = has_junior
         self.ready_engine, self.device = ready_engine, device
@@ -168,6 +170,13 @@ class RolloutPhase:
         result = self.generate([rows[i] for i in mine], policy, self.settings.sampling, key, mine) if mine else None
         return result, ({"balance_dropped_groups": float(len(rows) - trained)} if shares.world > 1 else {})
 
+    def trained_rewards(self, result: RolloutResult) -> Tensor:  # -> [N]
+        """The rewards the objective will see (``overlong`` applied): dynamic sampling keeps the
+        groups whose trained rewards differ (``OverlongPolicy``)."""
+        rollout = result.rollout
+        return self.overlong.rewards(result.rewards, rollout.lengths.cpu(), rollout.truncated.cpu(),
+                                     self.settings.sampling.max_new_tokens)
+
     def informative(self, pool: list[dict[str, Any]], policy: HandoffPolicy, key: int,
                     shares: Shares = ONE_PROCESS) -> tuple[RolloutResult | None, dict[str, float]]:
         """Dynamic sampling: rollouts of up to ``prompts_per_step`` prompts whose rewards differ.
@@ -188,7 +197,7 @@ class RolloutPhase:
             result = self.generate([rows[i] for i in mine], policy, self.settings.sampling, key * 16 + rounds, mine) if mine else None
             rounds += 1
             spread = [0.0] * len(rows)
-            for group in result.groups_with_spread() if result is not None else []:
+            for group in result.groups_with_spread(self.trained_rewards(result)) if result is not None else []:
                 spread[mine[group]] = 1.0
             useful = [i for i, flag in enumerate(shares.total(spread)) if flag]
             for place, i in enumerate(useful, start=found):

@@ -7,6 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+import torch
+from torch import Tensor
+
 from tandem_lit.errors import ConfigError, TandemLitError
 from tandem_lit.evaluation.language import LanguageShare
 from tandem_lit.evaluation.steps import EvalMode
@@ -73,21 +76,49 @@ class TrainingStalledError(TandemLitError, RuntimeError):
 
 @dataclass
 class OverlongPolicy:
-    """What a completion that ran out of tokens (truncated) contributes to training.
+    """What a completion that ran out of tokens (truncated), or came close, contributes to training.
+
+    The rewards it gives (``rewards``) are the ones the objective sees and the ones dynamic
+    sampling filters on, so a group it keeps has advantages that differ (verl's DAPO recipe filters
+    on the verifier's accuracy instead: there a group of equal accuracy but different lengths is
+    dropped, and one whose rewards the penalty made equal is kept with zero advantage).
 
     Args:
         mode: ``keep`` (graded like any other), ``mask`` (left out of the loss and its normaliser,
-            DAPO's overlong filtering; it still counts in its group's reward statistics) or
-            ``penalty`` (its reward is replaced by ``penalty``).
+            DAPO's overlong filtering; it still counts in its group's reward statistics),
+            ``penalty`` (its reward is replaced by ``penalty``) or ``soft`` (DAPO's soft overlong
+            punishment, by length, truncated or not: the reward gains
+            ``min(0, (max_new_tokens - buffer - length) / buffer) * penalty_factor``, 0 up to
+            ``buffer`` tokens before the cap, falling linearly to ``-penalty_factor`` at it).
         penalty: The reward of a truncated completion in ``penalty`` mode.
+        buffer: ``soft``: the tokens before the cap over which the punishment grows (DAPO's
+            L_cache; verl's ``overlong_buffer.len``), at most ``max_new_tokens``.
+        penalty_factor: ``soft``: the punishment at the cap (verl's ``overlong_buffer.penalty_factor``).
     """
 
-    mode: Literal["keep", "mask", "penalty"] = "keep"
+    mode: Literal["keep", "mask", "penalty", "soft"] = "keep"
     penalty: float = 0.0
+    buffer: int | None = None
+    penalty_factor: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.mode not in ("keep", "mask", "penalty"):
-            raise ConfigError(f"overlong.mode must be 'keep', 'mask' or 'penalty', got {self.mode!r}")
+        if self.mode not in ("keep", "mask", "penalty", "soft"):
+            raise ConfigError(f"overlong.mode must be 'keep', 'mask', 'penalty' or 'soft', got {self.mode!r}")
+        if self.mode == "soft" and (self.buffer is None or self.buffer < 1):
+            raise ConfigError(f"overlong.mode soft needs overlong.buffer >= 1 token (DAPO's L_cache), got {self.buffer}")
+        if self.penalty_factor < 0:
+            raise ConfigError(f"overlong.penalty_factor must be >= 0, got {self.penalty_factor}")
+
+    def rewards(self, rewards: Tensor, lengths: Tensor, truncated: Tensor, max_tokens: int) -> Tensor:  # [N] each -> [N]
+        """The rewards the objective sees: the verifier's with this policy applied."""
+        if self.mode == "penalty":
+            return torch.where(truncated, self.penalty, rewards)
+        if self.mode != "soft":
+            return rewards
+        if self.buffer > max_tokens:
+            raise ConfigError(f"overlong.buffer ({self.buffer}) must be at most rollout.sampling.max_new_tokens ({max_tokens})")
+        over = (max_tokens - self.buffer - lengths.to(rewards.device, torch.float32)) / self.buffer
+        return rewards + over.clamp(max=0.0) * self.penalty_factor
 
 
 @dataclass

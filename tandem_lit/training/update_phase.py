@@ -27,6 +27,7 @@ from tandem_lit.evaluation.results import RolloutResult
 from tandem_lit.models import liger
 from tandem_lit.models.varlen_attention import varlen_during
 from tandem_lit.objectives.base import Objective, ObjectiveInputs
+from tandem_lit.objectives.mismatch import MismatchStats
 from tandem_lit.rollout.logprobs import completion_logprobs
 from tandem_lit.rollout.record import Rollout
 from tandem_lit.rollout.sampling import SamplingConfig
@@ -61,6 +62,23 @@ class PhaseClock:
 
     def metrics(self) -> dict[str, float]:
         return {f"update_{part}_seconds": seconds for part, seconds in self.seconds.items()}
+
+
+def without_dropout(model: nn.Module) -> nn.Module:
+    """``model`` with every dropout rate set to 0 (TRL's ``disable_dropout``; verl trains LoRA with
+    dropout 0): the old log-probs, the training forward and the rollout-vs-train gap must all see
+    one network, or the importance ratio of a token measures two dropout masks, not two policies
+    (at LoRA dropout 0.5 two no-grad passes differed by up to 0.48 nats). The rates are zeroed,
+    not the modules put in eval mode: Lightning sets train mode again around validation, and eval
+    mode would also switch off Hugging Face's gradient checkpointing, which checks ``training``.
+    Covers ``nn.Dropout`` modules (LoRA's ``lora_dropout``, GPT-2's) and the attention dropout
+    rate Hugging Face attention layers keep as a float (``attention_dropout``)."""
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+    return model
 
 
 def row_index(rows: list[int], device: torch.device) -> Tensor:  # -> [len(rows)] long
@@ -122,7 +140,12 @@ class UpdatePhase:
         self.vocab: int | None = None  # the engine's sampled vocabulary (RolloutEngine.sampled_vocab), set with it
 
     def bind(self, senior: nn.Module, reference: nn.Module | None, backward: Callable[[Tensor], None]) -> None:
+        """The models the update trains and scores with; their dropout is switched off for good
+        (``without_dropout``)."""
         self.senior, self.reference, self.backward = senior, reference, backward
+        for model in (senior, reference):
+            if model is not None:
+                without_dropout(model)
 
     def use_fused_kernels(self, device: torch.device) -> tuple[str, ...]:
         """Liger's kernels (``memory.fused_kernels``) in the forward of the senior and of its
@@ -151,8 +174,7 @@ class UpdatePhase:
         rewards = result.rewards.to(device)
         truncated = rollout.truncated.to(device)
         overlong = self.settings.overlong
-        if overlong.mode == "penalty":
-            rewards = torch.where(truncated, overlong.penalty, rewards)
+        rewards = overlong.rewards(rewards, rollout.lengths, truncated, self.sampling.max_new_tokens)
         allowed = ~truncated if overlong.mode == "mask" else None
         # what the passes are cut by, on the host once (``HostRows``): the passes then queue on
         # the GPU back to back, with no sync between them but the one Liger's head makes
@@ -161,21 +183,31 @@ class UpdatePhase:
         # with W ranks each holds 1/W of every mini-batch (``rank_rows``)
         per_update = self.settings.mini_batch_size // world if self.settings.mini_batch_size else prompts
         updates = [[i for i, g in enumerate(host.group) if s <= g < s + per_update] for s in range(0, prompts, per_update)]
-        advantages = self.objective.advantages(rewards, group)
+        over_ranks = (lambda values: all_reduce_sum(values, device)) if world > 1 else None
+        advantages = self.objective.advantages(rewards, group, over_ranks)
         # the ratio's denominator comes from the training model before this step's first update.
         # The first mini-batch's is its own forward's log-probs, detached (no update has happened
         # yet: with one update that is all of them); the later mini-batches' are computed here,
-        # before the first update changes the weights
+        # before the first update changes the weights. Geometric-mean sequence masking decides
+        # which rows enter a mini-batch's normaliser from them, so it needs the first one's too
+        masks = self.objective.masks_sequences
         later = [i for rows in updates[1:] for i in rows] if len(updates) > 1 else None
+        scored = list(range(len(host.group))) if masks else later  # rows whose old log-probs come first
+        needs_old = self.objective.uses_old_logp or masks
         with self.compute_weights(device, world):
-            old_logp = self.behaviour_logprobs(rollout, device, later, world, host) if self.objective.uses_old_logp and later is not None else None
+            old_logp = self.behaviour_logprobs(rollout, device, scored, world, host) if needs_old and scored is not None else None
             ref_logp = self.reference_logprobs(rollout, device, world, host) if self.objective.uses_reference else None
         clock.charge("logprob")  # forward-only passes: the old and the reference log-probs
-        gap = LogprobGap()
+        gap, mismatch = LogprobGap(), MismatchStats()  # the engine's log-probs against the old ones
         if old_logp is not None and rollout.senior_logprobs is not None:
-            later_rows = row_index(later, device)
-            gap.add(old_logp[later_rows], rollout.senior_logprobs[later_rows], rollout.author[later_rows])
+            scored_rows = row_index(scored, device)
+            for measure in (gap, mismatch):
+                measure.add(old_logp[scored_rows], rollout.senior_logprobs[scored_rows], rollout.author[scored_rows])
         totals: dict[str, Tensor | float] = {}  # metrics summed on the device, read once at the end
+        if masks:
+            rejected = self.objective.rejected(old_logp, rollout.senior_logprobs, rollout.author)
+            allowed = ~rejected if allowed is None else allowed & ~rejected
+            totals["geo_masked_fraction"] = rejected.float().mean()
         for index, update_rows in enumerate(updates):
             rows = row_index(update_rows, device)
             mask = allowed[rows] if allowed is not None else None
@@ -191,11 +223,13 @@ class UpdatePhase:
                     part = host.trimmed(rollout, micro, pass_rows)
                     width = part.completion_ids.shape[1]
                     logp = self.sequence_logprobs(self.senior, part, lengths=host.lengths(pass_rows))
-                    if old_logp is None or index == 0:
+                    own = old_logp is None or (index == 0 and not masks)  # the old log-probs are this forward's
+                    if own:
                         gap.add(logp, part.senior_logprobs, part.author)
+                        mismatch.add(logp, part.senior_logprobs, part.author)
                     old = None
                     if old_logp is not None:
-                        old = logp.detach() if index == 0 else old_logp[micro, :width]
+                        old = logp.detach() if own else old_logp[micro, :width]
                     inputs = ObjectiveInputs(
                         logp=logp,
                         author=part.author,
@@ -225,6 +259,7 @@ class UpdatePhase:
                                               for n in names]).cpu().tolist())) if names else {}
         totals["updates"] = float(len(updates))
         totals.update(gap.metrics())
+        totals.update(mismatch.metrics())
         totals.update(clock.metrics())
         self.check_logp_gap(totals)
         return totals
