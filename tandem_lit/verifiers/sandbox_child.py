@@ -20,7 +20,7 @@ Why the source text rather than the file: inside the new root the checkout is no
 the driver could not open this file; and ``-I -S`` (no site-packages, no environment, no
 current folder on the path) keeps the package, torch and anything installed out of the
 sandbox, so programs see the standard library only. This module therefore imports only the
-standard library and nothing of ``tandem_lit`` (tests/test_sandbox.py parses it to check), and
+standard library and nothing of ``tandem_lit`` (tests/test_sandbox_split.py parses it to check), and
 it must not read ``__file__`` (under ``-c`` there is none). The trainer imports it only for its
 constants.
 """
