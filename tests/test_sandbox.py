@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from tandem_lit.verifiers import sandbox as sandbox_module
+from tandem_lit.verifiers import sandbox_child
 from tandem_lit.verifiers.code import CodeVerifier, SandboxRefusedError
 from tandem_lit.verifiers.sandbox import DRIVER_MARK, Limits, Sandbox, SandboxUnavailableError
 
@@ -165,7 +166,8 @@ def test_deleting_files_fails(verifier, clean):
         import os, shutil
         removed = 0
         for action in (lambda: os.remove({str(sentinel)!r}), lambda: shutil.rmtree({str(home)!r}),
-                       lambda: os.remove("/etc/hostname"), lambda: os.remove({sandbox_module.__file__!r})):
+                       lambda: os.remove("/etc/hostname"), lambda: os.remove({sandbox_module.__file__!r}),
+                       lambda: os.remove({sandbox_child.__file__!r})):
             try:
                 action()
                 removed += 1
@@ -176,7 +178,7 @@ def test_deleting_files_fails(verifier, clean):
     passed, _ = grade(verifier, program)
     assert passed == [False]
     assert sentinel.read_text() == "keep me"
-    assert Path(sandbox_module.__file__).exists()
+    assert Path(sandbox_module.__file__).exists() and Path(sandbox_child.__file__).exists()
 
 
 def test_the_trainers_environment_does_not_leak(verifier, clean, monkeypatch):
@@ -289,10 +291,9 @@ def test_opting_out_runs_with_a_loud_warning(monkeypatch, clean, caplog):
 # -- as an unprivileged user ------------------------------------------------------------------------
 
 NON_ROOT_BODY = r"""
-import importlib.util, json, os, socket, sys
-spec = importlib.util.spec_from_file_location("sandbox", sys.argv[1])
-sandbox = sys.modules["sandbox"] = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(sandbox)
+import json, os, socket, sys
+sys.path.insert(0, sys.argv[1])
+from tandem_lit.verifiers import sandbox
 box = sandbox.Sandbox(sandbox.Limits(timeout_s=1.0, completion_timeout_s=4.0, memory_mb=256, max_processes=8))
 listener = socket.socket()
 listener.bind(("127.0.0.1", 0))
@@ -356,41 +357,46 @@ def why_nobody_cannot_run(python: str) -> str | None:
     return None if done.returncode == 0 else (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
 
 
-def readable_copy(path: str) -> str:
-    """``path`` copied where `nobody` can read it (the repository may live in a closed home)."""
+def readable_copy() -> str:
+    """The sandbox's two modules, copied as a bare ``tandem_lit.verifiers`` package where `nobody`
+    can read them (the repository may live in a closed home; the real package imports torch)."""
     folder = tempfile.mkdtemp(prefix="sandbox-test-")
-    os.chmod(folder, 0o755)
-    copy = os.path.join(folder, os.path.basename(path))
-    Path(copy).write_bytes(Path(path).read_bytes())
-    os.chmod(copy, 0o644)
-    return copy
+    package = Path(folder, "tandem_lit", "verifiers")
+    package.mkdir(parents=True)
+    for module in (sandbox_module, sandbox_child):
+        Path(package, Path(module.__file__).name).write_bytes(Path(module.__file__).read_bytes())
+    for init in (package.parent / "__init__.py", package / "__init__.py"):
+        init.write_text("")
+    for path in (folder, *Path(folder).rglob("*")):
+        os.chmod(path, 0o755 if Path(path).is_dir() else 0o644)
+    return folder
 
 
 def test_unprivileged_user_path():
     """The non-root path (a CI runner without root): the fork bomb is capped by RLIMIT_NPROC in
     the sandbox's own user namespace, and a connection attempt fails. As root the test runs
     itself as `nobody`, with the interpreter's real binary (a venv's python is a symlink that may
-    sit anywhere) and a readable copy of the sandbox module, wherever the venv and the checkout
+    sit anywhere) and a readable copy of the sandbox's two modules, wherever the venv and the checkout
     live."""
     python = os.path.realpath(sys.executable)
-    if os.geteuid() == 0:
-        module = readable_copy(sandbox_module.__file__)
-        try:
+    package = readable_copy()
+    try:
+        if os.geteuid() == 0:
             closed = why_nobody_cannot_run(python)
             if closed is None:
-                done = subprocess.run([python, "-I", "-c", NON_ROOT_BODY, module], capture_output=True, text=True,
+                done = subprocess.run([python, "-I", "-c", NON_ROOT_BODY, package], capture_output=True, text=True,
                                       timeout=60, user=NOBODY, group=NOBODY, extra_groups=[], cwd="/", env=NOBODY_ENV)
             else:
-                done = subprocess.run([python, "-I", "-c", AS_NOBODY, NON_ROOT_BODY, module], capture_output=True,
+                done = subprocess.run([python, "-I", "-c", AS_NOBODY, NON_ROOT_BODY, package], capture_output=True,
                                       text=True, timeout=60)
                 if done.stderr.startswith("cannot mount:"):
                     pytest.skip(f"`nobody` cannot exec {python} ({closed}), and this root cannot bind it into a "
                                 f"private mount namespace ({done.stderr.strip()})")
-        finally:
-            shutil.rmtree(Path(module).parent)
-    else:
-        argv = [sys.executable, "-I", "-c", NON_ROOT_BODY, sandbox_module.__file__]
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        else:
+            done = subprocess.run([sys.executable, "-I", "-c", NON_ROOT_BODY, package], capture_output=True,
+                                  text=True, timeout=60)
+    finally:
+        shutil.rmtree(package)
     if done.returncode != 0 and "refuses" in done.stderr:
         pytest.skip(f"no unprivileged sandbox on this machine: {done.stderr.strip().splitlines()[-1]}")
     assert done.returncode == 0, done.stderr

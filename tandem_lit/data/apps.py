@@ -21,8 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from tandem_lit.data.base import PromptDataModule, Split, held_out_split, read_records
-from tandem_lit.data.gsm8k import load_table
+from tandem_lit.data.fields import CODE_FIELDS
+from tandem_lit.data.gsm8k import load_table, table_name
 from tandem_lit.errors import ConfigError, DataError
+from tandem_lit.verifiers.columns import check_record
 
 CODE_INSTRUCTION = (
     "Write a solution in Python 3. Put the complete program in a single ```python code block at the end of "
@@ -134,11 +136,13 @@ class APPSDataModule(PromptDataModule):
                 raise DataError(f"code data folder {path} holds no .json/.jsonl files; pass `files`")
             return [(str(path / n), i, r) for n in names for i, r in enumerate(read_records(path / n))]
         records = load_table(source, split)
-        return [(source, i, r) for i, r in enumerate(records)]
+        return [(table_name(source, split), i, r) for i, r in enumerate(records)]
 
     def _load_rows(self, source: str, dataset: str, split: str, files: list[str] | None = None) -> list[dict[str, Any]]:
         unique: dict[str, tuple[str, int, dict[str, Any]]] = {}
         for where, index, record in self._read(source, split, files):
+            # wrong types end the run; only problems without usable tests are skipped (below)
+            check_record(record, CODE_FIELDS, where, index, "Fix that record of the file or drop it.")
             if self.difficulties is None or record.get("difficulty", self.difficulties[0]) in self.difficulties:
                 unique.setdefault(problem_key(record), (where, index, record))
         rows, skipped = [], []

@@ -17,7 +17,9 @@ from typing import Any, Literal
 
 import lightning as L
 
+from tandem_lit.data.fields import ROW_FIELDS
 from tandem_lit.errors import ConfigError, DataError
+from tandem_lit.verifiers.columns import check_records
 
 Split = Literal["train", "val", "test"]
 
@@ -146,9 +148,11 @@ class PromptDataModule(L.LightningDataModule):
     def rows(self, split: Split) -> list[dict[str, Any]]:
         if split not in self._rows:
             rows = self.load_split(split)
-            for i, row in enumerate(rows[:1]):
+            where = f"{type(self).__name__} {split} rows"
+            for i, row in enumerate(rows):
                 if "prompt" not in row:
-                    raise DataError(f"{type(self).__name__} {split} row {i} has no 'prompt' (fields: {sorted(row)})")
+                    raise DataError(f"{where}: row {i} has no 'prompt' (fields: {sorted(row)})")
+            check_records(rows, ROW_FIELDS, where, "A data module must serve its prompts as text.")
             self._rows[split] = rows
         return self._rows[split]
 

@@ -10,20 +10,34 @@ from pathlib import Path
 from typing import Any
 
 from tandem_lit.data.base import PromptDataModule, Split, held_out_split, read_records, require_fields
+from tandem_lit.data.fields import GSM8K_QUESTION, GSM8K_SOLUTION, template_fields, template_types
 from tandem_lit.errors import DataError
 from tandem_lit.paths import looks_local, missing_path_message
+from tandem_lit.verifiers.columns import check_records
 
 
-def load_table(source: str, split: str, hub_config: str | None = None) -> list[dict[str, Any]]:
-    """Rows of ``split`` from a local folder (``<split>.jsonl`` / ``<split>.json``), a file, or the hub."""
+def local_table(source: str, split: str) -> Path | None:
+    """The local file ``load_table`` reads for ``split`` (None: ``source`` is a hub name)."""
     path = Path(source).expanduser()
     if path.is_dir():
         for name in (f"{split}.jsonl", f"{split}.json"):
             if (path / name).exists():
-                return read_records(path / name)
+                return path / name
         raise DataError(f"dataset folder {path} has no {split}.jsonl or {split}.json")
-    if path.is_file():
-        return read_records(path)
+    return path if path.is_file() else None
+
+
+def table_name(source: str, split: str) -> str:
+    """Where ``load_table``'s rows come from, for messages: the file, or the hub dataset."""
+    local = local_table(source, split)
+    return str(local) if local is not None else f"{source} (hub, split {split})"
+
+
+def load_table(source: str, split: str, hub_config: str | None = None) -> list[dict[str, Any]]:
+    """Rows of ``split`` from a local folder (``<split>.jsonl`` / ``<split>.json``), a file, or the hub."""
+    local = local_table(source, split)
+    if local is not None:
+        return read_records(local)
     if looks_local(source):
         raise DataError(missing_path_message(source, "dataset path"))
     try:
@@ -101,6 +115,11 @@ class GSM8KDataModule(PromptDataModule):
             rows, [self.question_field, self.answer_field], f"GSM8K {split} split of {self.source}",
             "Point `source` at GSM8K-format data or set question_field/answer_field to your field names.",
         )
+        types = {
+            **template_types(template_fields(self.prompt_template, "prompt_template")),
+            self.question_field: GSM8K_QUESTION, self.answer_field: GSM8K_SOLUTION,
+        }
+        check_records(rows, types, table_name(self.source, split), "Fix that row of the file or drop it.")
         return rows
 
     def _row(self, record: dict[str, Any]) -> dict[str, Any]:

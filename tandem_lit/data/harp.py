@@ -21,8 +21,10 @@ import re
 from typing import Any
 
 from tandem_lit.data.base import read_records
-from tandem_lit.data.math import BOXED_INSTRUCTION, DeepScaleRDataModule
+from tandem_lit.data.fields import HARP_FIELDS as HARP_TYPES
+from tandem_lit.data.math import BOXED_INSTRUCTION, FIX_RECORD, DeepScaleRDataModule
 from tandem_lit.errors import ConfigError, DataError
+from tandem_lit.verifiers.columns import check_records
 
 HARP_FIELDS = ("problem", "answer", "year", "contest", "num_solutions")
 
@@ -99,6 +101,7 @@ class HARPDataModule(DeepScaleRDataModule):
                 "`source` at HARP.jsonl.zip from github.com/aadityasingh/HARP, or use DeepScaleRDataModule for "
                 "problem/answer files"
             )
+        check_records(records, HARP_TYPES, self.source, FIX_RECORD)
         years = set(self.exclude_years)
         kept = [(self.source, i, r) for i, r in enumerate(records) if keep_harp(r, self.contests, self.min_solutions, years, self.levels)]
         if not kept:

@@ -35,13 +35,16 @@ from pathlib import Path
 from typing import Any
 
 from tandem_lit.data.base import EvalBatches, PromptDataModule, Split, held_out_split, read_records
+from tandem_lit.data.fields import MATH_FIELDS
 from tandem_lit.data.gsm8k import load_table
 from tandem_lit.errors import ConfigError, DataError
+from tandem_lit.verifiers.columns import check_record, check_records
 from tandem_lit.verifiers.math import extract_boxed
 
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 PROBLEM_FIELDS = ("problem", "question")
 ANSWER_FIELDS = ("answer", "final_answer")
+FIX_RECORD = "Fix that record of the file or drop it."
 
 
 @dataclass(frozen=True)
@@ -186,6 +189,7 @@ def load_eval_rows(
 ) -> list[dict[str, Any]]:
     where, records = load_eval_records(name, root, sources)
     records = records[:limit]
+    check_records(records, MATH_FIELDS, where, FIX_RECORD)
     short = dataset_name(name)
     return [math_row(record, short, where, i, instruction) for i, record in enumerate(records)]
 
@@ -342,6 +346,8 @@ class DeepScaleRDataModule(PromptDataModule):
                     "hub is reachable, or give a local folder/file."
                 ) from None
             found = [(f"{self.source} (hub)", i, dict(r)) for i, r in enumerate(table)]
+        for where, index, record in found:  # wrong types end the run: only records without an answer are skipped
+            check_record(record, MATH_FIELDS, where, index, FIX_RECORD)
         unique: dict[str, tuple[str, int, dict[str, Any]]] = {}
         for where, index, record in found:
             key = next((str(record[f]).strip() for f in PROBLEM_FIELDS if record.get(f)), f"{where}#{index}")

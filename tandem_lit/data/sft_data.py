@@ -11,27 +11,16 @@ rows are a seeded slice held out of the training rows.
 from __future__ import annotations
 
 import re
-import string
 import warnings
 from typing import Any
 
 from tandem_lit.data.base import PromptDataModule, Split, held_out_split, require_fields
-from tandem_lit.data.gsm8k import final_answer, load_table
+from tandem_lit.data.fields import template_fields, template_types
+from tandem_lit.data.gsm8k import final_answer, load_table, table_name
 from tandem_lit.errors import ConfigError, DataError
+from tandem_lit.verifiers.columns import check_records
 
 JARGON = r"<<[^<>\n]*>>"  # GSM8K's calculator annotations, <<48/2=24>> (TandemModule's jargon_pattern)
-
-
-def template_fields(template: str, name: str) -> list[str]:
-    """The row fields a format string reads (``{question}`` -> ``question``)."""
-    try:
-        parsed = list(string.Formatter().parse(template))
-    except ValueError as err:
-        raise ConfigError(f"{name} {template!r} is not a valid format string ({err}); write fields as {{field}}") from None
-    fields = [re.split(r"[.\[]", field)[0] for _, field, _, _ in parsed if field is not None]
-    if "" in fields:
-        raise ConfigError(f"{name} {template!r} has an empty {{}}: name the row field, e.g. {{question}}")
-    return list(dict.fromkeys(fields))
 
 
 class SFTDataModule(PromptDataModule):
@@ -97,6 +86,8 @@ class SFTDataModule(PromptDataModule):
             records, self.fields, f"{type(self).__name__} source {self.source}",
             "Set prompt_template/target_template to the fields your rows have (as {field}).",
         )
+        check_records(records, template_types(self.fields), table_name(self.source, self.split),
+                      "Templates print the fields they name: store that field as text, or fix or drop the row.")
         train, val = held_out_split(records, self.val_size, self.seed)
         return [self.row(r) for r in (val if split == "val" else train[: self.train_limit])]
 

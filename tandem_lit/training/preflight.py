@@ -11,6 +11,8 @@ measures: each ends the run with one line naming the setting and the fix.
   of different sizes (checkpoints pad their embeddings to a multiple of 64 or 128): the rows past
   the tokenizer's ids are never sampled, because every engine samples from the tokenizer's ids
   only (``TandemDecoder`` and ``TextHandoffEngine`` cut the logits at ``len(tokenizer)``).
+- **The verifier's columns.** Every row the stage reads has each column the verifier grades, of
+  the type it grades (``Verifier.check_rows``): not a zero reward or an error steps later.
 - **Packed update passes.** ``memory.pack_sequences`` needs a senior whose attention keeps packed
   sequences apart (``rollout.logprobs.check_packable``): refused here, not after the first rollouts.
 """
@@ -161,6 +163,9 @@ def check(module: Any, stage: Stage) -> None:
     contexts = {role: context_length(model) for role, model in models.items() if model is not None}
     datamodule = getattr(module._trainer, "datamodule", None) if module._trainer is not None else None
     read_rows = getattr(datamodule, "rows", None)
+    if read_rows is not None:  # the columns the verifier grades, of its types, in every row the stage reads
+        for split in dict.fromkeys(phase[2] for phase in phases(module, stage)):
+            module.verifier.check_rows(read_rows(split), f"{type(datamodule).__name__} {split} rows")
     for setting, budget, split, roles, fix in phases(module, stage):
         if not any(contexts.get(role) for role in roles):
             continue

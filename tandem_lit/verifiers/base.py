@@ -2,8 +2,10 @@
 
 ``__call__`` returns rewards for RL; ``evaluate`` returns correctness for pass@k. Both go
 through ``grade_batch``, so training and evaluation can never grade differently.
-A verifier names the dataset columns it needs (``required_columns``); a batch without them
-raises an error that names the missing field instead of rewarding zero.
+A verifier names the dataset columns it needs (``required_columns``) and what each must hold
+(``column_types``); rows without them, or with a value of another type, raise an error that
+names the row and the field instead of rewarding zero, before the first step (``check_rows``)
+and for every batch.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from torch import Tensor
 
 from tandem_lit.errors import DataError
+from tandem_lit.verifiers.columns import FieldType, check_record
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class Verifier(ABC):
     """Base class. Subclasses implement ``grade`` (one completion) and set ``required_columns``."""
 
     required_columns: tuple[str, ...] = ()
+    column_types: dict[str, FieldType] = {}  # what a required column must hold (tandem_lit.verifiers.columns)
 
     @abstractmethod
     def grade(self, completion: str, **columns: Any) -> Grade:
@@ -82,6 +86,24 @@ class Verifier(ABC):
         for name, values in columns.items():
             if len(values) != count:
                 raise ValueError(f"column {name!r} has {len(values)} values for {count} completions")
+        batch = [{name: values[i] for name, values in columns.items() if name in self.column_types} for i in range(count)]
+        for i, row in enumerate(batch):
+            check_record(row, self.column_types, f"the batch {type(self).__name__} grades", i, self._type_fix())
+
+    def check_rows(self, rows: Sequence[dict[str, Any]], where: str) -> None:
+        """Before the first step: every row has the columns this verifier grades, of its types."""
+        for i, row in enumerate(rows):
+            missing = [name for name in self.required_columns if name not in row]
+            if missing:
+                raise MissingColumnError(
+                    f"{where}: row {i} has no field {missing[0]!r}, which {type(self).__name__} grades (it has "
+                    f"{sorted(row)}). Map your dataset's field to {missing[0]!r} in the DataModule or pick a "
+                    f"verifier that matches the data."
+                )
+            check_record(row, self.column_types, where, i, self._type_fix())
+
+    def _type_fix(self) -> str:
+        return f"{type(self).__name__} grades this column: fix that row of the data or pick a verifier that matches it"
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))

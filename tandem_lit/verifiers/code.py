@@ -44,6 +44,7 @@ from typing import Any
 
 from tandem_lit.errors import ConfigError, DataError
 from tandem_lit.verifiers.base import Grade, Verifier
+from tandem_lit.verifiers.columns import FieldType
 from tandem_lit.verifiers.sandbox import CaseResult, Limits, RunResult, Sandbox, SandboxUnavailableError
 
 __all__ = [
@@ -450,6 +451,20 @@ def _spec(tests: Any) -> dict:
     return tests
 
 
+def _is_spec(tests: Any) -> bool:
+    try:
+        _spec(tests)
+    except DataError:
+        return False
+    return True
+
+
+TESTS = FieldType(
+    "a tests object of kind stdio, call or functional, or its JSON text (see tandem_lit.verifiers.code; "
+    "build it with apps_tests or deepcoder_tests)", _is_spec,
+)
+
+
 # -- the verifier -----------------------------------------------------------------------------------
 
 
@@ -480,6 +495,7 @@ class CodeVerifier(Verifier):
     """
 
     required_columns = ("tests",)
+    column_types = {"tests": TESTS}
 
     def __init__(
         self,

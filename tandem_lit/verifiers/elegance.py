@@ -19,6 +19,7 @@ from typing import Any
 
 from tandem_lit.errors import ConfigError, DataError
 from tandem_lit.verifiers.base import Grade, Verifier
+from tandem_lit.verifiers.columns import TEXT, FieldType
 from tandem_lit.verifiers.judge import Judge
 
 __all__ = ["EleganceVerifier"]
@@ -53,6 +54,10 @@ class EleganceVerifier(Verifier):
         self.bonus = bonus
         self.max_solution_chars = max_solution_chars
         self.required_columns = tuple(dict.fromkeys((*verifier.required_columns, "problem")))
+
+    @property
+    def column_types(self) -> dict[str, FieldType]:
+        return {**self.verifier.column_types, "problem": TEXT}  # the judge reads the problem
 
     @property
     def timeouts(self) -> int:

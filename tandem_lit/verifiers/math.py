@@ -46,6 +46,7 @@ from typing import Any
 from tandem_lit.errors import ConfigError, DataError, MissingDependencyError
 from tandem_lit.verifiers import math_grader
 from tandem_lit.verifiers.base import Grade, Verifier
+from tandem_lit.verifiers.columns import NUMBER, TEXT, list_of
 from tandem_lit.verifiers.math_grader import (
     INSTALL_HINT,
     EmptyReferenceError,
@@ -109,6 +110,8 @@ class MathVerifier(Verifier):
     """
 
     required_columns = ("answer",)
+    # a list holds alternatives (any one is correct); numbers as the eval sets store them (AMC's 27.0)
+    column_types = {"answer": TEXT | NUMBER | list_of(TEXT | NUMBER, "a list of strings or numbers")}
 
     def __init__(
         self,

@@ -7,6 +7,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from tandem_lit.verifiers.base import Grade, Verifier
+from tandem_lit.verifiers.columns import NUMBER, TEXT
 
 # an exponent is part of the number: "2.55e-10" must not be read as 2.55
 _NUMBER = re.compile(r"-?\$?\s*(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?")
@@ -48,6 +49,7 @@ class GSM8KVerifier(Verifier):
     """
 
     required_columns = ("answer",)
+    column_types = {"answer": TEXT | NUMBER}  # a number is its own final answer
 
     def __init__(self, marker: str = "####"):
         self.marker = marker
