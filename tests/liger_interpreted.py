@@ -10,6 +10,8 @@ path's; a second model of the same class (a junior) still runs transformers' cod
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 import triton.language as tl
@@ -91,9 +93,20 @@ def logprobs_and_grads(model, rollout, packed: bool, fused: bool):
 SAMPLED_VOCAB = 32  # the engine's tokens: the head's last 8 rows are padding (its slice goes to the fused head)
 
 
+def with_switches(rollout):
+    """The rollout with handoff switch codes (rollout.switch): start sets at some tokens, a senior
+    span's end at others, so that the fused head's log-probs carry the switch terms too."""
+    generator = torch.Generator().manual_seed(1)
+    sets = torch.rand(4, SAMPLED_VOCAB, generator=generator) > 0.5
+    start, end = (torch.zeros_like(rollout.author) for _ in range(2))
+    start[0, [2, 5]], start[2, 1] = torch.tensor([1, 3], dtype=torch.int8), 2
+    end[0, [3, 8]], end[2, 4] = torch.tensor([2, 4], dtype=torch.int8), 4
+    return dataclasses.replace(rollout, start_set=start, end_set=end, token_sets=sets)
+
+
 def check(architecture: str, packed: bool) -> None:
     vocab = 40
-    model, rollout = MODELS[architecture](vocab, 3).train(), ragged_rollout(SAMPLED_VOCAB)
+    model, rollout = MODELS[architecture](vocab, 3).train(), with_switches(ragged_rollout(SAMPLED_VOCAB))
     junior = MODELS[architecture](vocab, 4).eval()
     layers = liger.causal_lm(model).model.layers
     kernels = liger.ARCHITECTURES[liger.causal_lm(model).config.model_type].kernels

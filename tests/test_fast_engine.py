@@ -114,20 +114,29 @@ def test_p0_all_senior_p1_all_junior(tokenizer, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_senior_logprobs_match_teacher_forcing(tokenizer, device):
+    from tandem_lit.rollout.switch import set_log_mass
+
     senior = build("qwen3", len(tokenizer), 64, 2, seed=0).to(device)
     junior = build("qwen3", len(tokenizer), 32, 1, seed=1).to(device)
     _, fast = engines(senior, junior, tokenizer, kernels="auto")
-    prompts = prompt_batch(tokenizer, device)
-    sampling = SamplingConfig(temperature=0.8, max_new_tokens=24)
+    prompts = prompt_batch(tokenizer, device, PROMPTS * 4)  # rows enough to hold switches both ways
+    sampling = SamplingConfig(temperature=0.8, max_new_tokens=48)
     out = fast.generate(prompts, WordHandoff(0.5), sampling)
     ids = torch.cat([out.prompt_ids, out.completion_ids], dim=1)
     mask = torch.cat([out.prompt_mask, out.completion_mask.long()], dim=1)
     with torch.no_grad():
         logits = senior(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0)).logits
     width = out.completion_ids.shape[1]
-    logits = logits[:, -width - 1 : -1].float() / sampling.temperature
-    expected = logits.log_softmax(-1).gather(-1, out.completion_ids.unsqueeze(-1)).squeeze(-1)
+    logp = (logits[:, -width - 1 : -1].float() / sampling.temperature).log_softmax(-1)
+    expected = logp.gather(-1, out.completion_ids.unsqueeze(-1)).squeeze(-1)
+    # switches (rollout.switch): a token drawn from a start set is renormalised over it; a senior
+    # span's end adds its end set's log-mass to the senior's last token
+    flat = logp.flatten(0, 1)
+    start = set_log_mass(flat, out.token_sets, out.start_set.flatten()).view_as(expected)
+    end = set_log_mass(flat, out.token_sets, out.end_set.flatten()).view_as(expected)
+    expected = expected - start + torch.nn.functional.pad(end[:, 1:], (0, 1))
     written = out.completion_mask
+    assert bool((out.start_set != 0).any()) and bool((out.end_set != 0).any())
     torch.testing.assert_close(out.senior_logprobs[written], expected[written], atol=1e-4, rtol=1e-4)
 
 
@@ -263,8 +272,17 @@ def test_fused_sampler_matches_torch_sampling_at_full_vocabulary():
             # summation order differs from torch's: a draw may differ only where u sits on a CDF step
             assert (got == want).float().mean() >= (1.0 if temperature == 0 else 0.99)
     token = torch.randint(0, vocab, (batch,), device="cuda")
-    torch.testing.assert_close(kernels.token_logprobs(senior, token, 0.6),
-                               (senior / 0.6).log_softmax(-1).gather(-1, token[:, None]).squeeze(-1), atol=1e-4, rtol=1e-4)
+    logp = (senior / 0.6).log_softmax(-1)
+    torch.testing.assert_close(kernels.token_logprobs(senior, token, 0.6)[0],
+                               logp.gather(-1, token[:, None]).squeeze(-1), atol=1e-4, rtol=1e-4)
+    # with switch sets (rollout.switch): the log-prob under each row's start set, its end set's log-mass
+    from tandem_lit.rollout.switch import set_log_mass
+
+    sets = torch.stack([allowed, ~allowed, torch.rand(vocab, device="cuda") < 0.01])
+    start, end = (torch.randint(0, 4, (batch,), device="cuda") for _ in range(2))
+    got, end_mass = kernels.token_logprobs(senior, token, 0.6, sets, start, end)
+    torch.testing.assert_close(got, logp.gather(-1, token[:, None]).squeeze(-1) - set_log_mass(logp, sets, start), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(end_mass, set_log_mass(logp, sets, end), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.gpu

@@ -127,8 +127,22 @@ CHECK = textwrap.dedent("""
             want = sample_tokens(a, u, SamplingConfig(temperature=temperature), allowed)
             assert torch.equal(kernels.sample_rows(a, u, temperature, allowed=allowed, block=64), want)
     token = torch.randint(0, V, (6,))
-    torch.testing.assert_close(kernels.token_logprobs(a, token, 0.7, block=64),
-                               (a / 0.7).log_softmax(-1).gather(-1, token[:, None]).squeeze(-1))
+    logp = (a / 0.7).log_softmax(-1)
+    chosen = logp.gather(-1, token[:, None]).squeeze(-1)
+    plain, no_sets = kernels.token_logprobs(a, token, 0.7, block=64)
+    torch.testing.assert_close(plain, chosen)
+    assert no_sets is None
+    # handoff switches (rollout.switch): renormalised over each row's start set, and the log-mass
+    # of its end set; code 0 is the whole vocabulary, and a set may be empty where no code names it
+    from tandem_lit.rollout.switch import set_log_mass
+
+    sets = torch.rand(4, V) > 0.6
+    sets[3] = False
+    start, end = torch.tensor([0, 1, 2, 0, 3, 1]), torch.tensor([2, 0, 1, 3, 0, 0])
+    got, end_mass = kernels.token_logprobs(a, token, 0.7, sets, start, end, block=64)
+    torch.testing.assert_close(got, chosen - set_log_mass(logp, sets, start))
+    torch.testing.assert_close(end_mass, set_log_mass(logp, sets, end))
+    assert bool((end_mass[end == 0] == 0).all()) and bool((end_mass[end > 0] < 0).all())
     print("kernels ok")
 """)
 

@@ -17,6 +17,7 @@ from torch import Tensor
 from tandem_lit.rollout.handoff import HandoffPolicy, TokenClasses
 from tandem_lit.rollout.record import Author, PromptBatch, Rollout
 from tandem_lit.rollout.sampling import SamplingConfig, sample_tokens, uniform
+from tandem_lit.rollout.switch import set_log_mass, switch_codes
 
 # RNG streams: independent uniforms per (sequence, the sequence's own step)
 _CANDIDATE, _HANDOFF, _SWITCH, _FIRST_AUTHOR = 0, 1, 2, 3
@@ -76,6 +77,9 @@ class TandemDecoder:
         self.only_author = policy.only_author
         self.batch_size = batch_size
         self.logprob_temperature = sampling.temperature if sampling.temperature > 0 else 1.0
+        # the token sets a switch's log-probs are taken over (``rollout.switch``); None: no switch
+        # restricts a draw (solo policies, a draw before every token)
+        self.token_sets = self.rule.token_sets() if self.only_author is None else None
 
         def zeros(dtype=torch.long) -> Tensor:
             return torch.zeros(batch_size, dtype=dtype, device=device)
@@ -86,6 +90,10 @@ class TandemDecoder:
         self.tokens = torch.full((batch_size, width), pad_token_id, dtype=torch.long, device=device)
         self.authors = torch.zeros((batch_size, width), dtype=torch.int8, device=device)
         self.logprobs = torch.zeros((batch_size, width), dtype=torch.float32, device=device)
+        # per token: the set it was drawn from, and the set of the senior's discarded candidate
+        # where its span ended there (1-based rows of ``token_sets``; 0: none)
+        self.start_sets = torch.zeros((batch_size, width), dtype=torch.int8, device=device)
+        self.end_sets = torch.zeros((batch_size, width), dtype=torch.int8, device=device)
         self.state = DecodeState(
             author=zeros(), span_len=zeros(), carry=zeros(), finished=zeros(torch.bool), ended=zeros(torch.bool),
             spans=zeros(), handoffs=zeros(), decisions=zeros(), junior_draws=zeros(),
@@ -94,13 +102,14 @@ class TandemDecoder:
 
     def per_row(self) -> list[Tensor]:
         """Every per-row buffer (dim 0 = row): what moves with a sequence when rows are compacted."""
-        return [self.seeds, self.budget, self.t, self.tokens, self.authors, self.logprobs, *self.state.tensors()]
+        return [self.seeds, self.budget, self.t, self.tokens, self.authors, self.logprobs, self.start_sets, self.end_sets,
+                *self.state.tensors()]
 
     def narrow(self, rows: int) -> TandemDecoder:
         """This decoder over its first ``rows`` rows only (views: same storage, same state)."""
         view = copy.copy(self)
         view.batch_size = rows
-        for name in ("seeds", "budget", "t", "tokens", "authors", "logprobs"):
+        for name in ("seeds", "budget", "t", "tokens", "authors", "logprobs", "start_sets", "end_sets"):
             setattr(view, name, getattr(self, name)[:rows])
         view.state = DecodeState(*(x[:rows] for x in self.state.tensors()))
         return view
@@ -123,6 +132,8 @@ class TandemDecoder:
         self.tokens.index_fill_(0, rows, self.pad_token_id)
         self.authors.index_fill_(0, rows, 0)
         self.logprobs.index_fill_(0, rows, 0.0)
+        self.start_sets.index_fill_(0, rows, 0)
+        self.end_sets.index_fill_(0, rows, 0)
         s.spans.index_fill_(0, rows, 1)
         if self.policy.first_author == "draw":
             junior = uniform(self.seeds[rows], 0, _FIRST_AUTHOR) < self.policy.p
@@ -175,12 +186,20 @@ class TandemDecoder:
             logits = torch.where((author == Author.JUNIOR).unsqueeze(-1), junior, senior)
         return sample_tokens(logits, u, self.sampling, allowed)
 
-    def _senior_logprob(self, senior: Tensor, token: Tensor) -> Tensor:  # [B, V], [B] -> [B, 1]
+    def _senior_logprob(self, senior: Tensor, token: Tensor, start: Tensor | None,
+                        end: Tensor | None) -> tuple[Tensor, Tensor | None]:  # [B, V], [B] x 3 -> [B], [B]
+        """The senior's log-prob of ``token`` under the set it was drawn from (``start`` codes),
+        and the log-mass of each row's ``end`` set (the senior's span ending here; ``rollout.switch``)."""
+        t = self.logprob_temperature
         if self.fused_sampling:
             from tandem_lit.rollout.static import kernels
 
-            return kernels.token_logprobs(senior, token, self.logprob_temperature).unsqueeze(-1)
-        return (senior.float() / self.logprob_temperature).log_softmax(-1).gather(-1, token.unsqueeze(-1))
+            return kernels.token_logprobs(senior, token, t, self.token_sets, start, end)
+        logp = (senior.float() / t).log_softmax(-1)
+        chosen = logp.gather(-1, token.unsqueeze(-1)).squeeze(-1)
+        if start is None:
+            return chosen, None
+        return chosen - set_log_mass(logp, self.token_sets, start), set_log_mass(logp, self.token_sets, end)
 
     def step(self, senior_logits: Tensor | None, junior_logits: Tensor | None) -> Tensor:
         """Append the next token of every live sequence and return it.  # logits [B, V'] -> [B] long
@@ -194,8 +213,9 @@ class TandemDecoder:
         senior = senior_logits[:, :v] if senior_logits is not None else None
         junior = junior_logits[:, :v] if junior_logits is not None else None
         candidate = self._draw(s.author, senior, junior, uniform(self.seeds, t, _CANDIDATE))
+        start = end = None
         if self.only_author is None:
-            token = self._handoff(t, candidate, senior, junior)
+            token, start, end = self._handoff(t, candidate, senior, junior)
         else:
             token = candidate
             s.span_len.add_(1)
@@ -205,9 +225,15 @@ class TandemDecoder:
         column = t.unsqueeze(1)  # a stopped row's t is at most its budget: the scratch column at worst
         self.tokens.scatter_(1, column, token.unsqueeze(1))
         self.authors.scatter_(1, column, code.unsqueeze(1))
+        if start is not None:
+            start, end = torch.where(live, start, 0), torch.where(live, end, 0)
+            self.start_sets.scatter_(1, column, start.to(torch.int8).unsqueeze(1))
+            self.end_sets.scatter_(1, column, end.to(torch.int8).unsqueeze(1))
         if senior is not None:
-            logprob = self._senior_logprob(senior, token)
-            self.logprobs.scatter_(1, column, torch.where(live.unsqueeze(-1), logprob, 0.0))
+            logprob, end_mass = self._senior_logprob(senior, token, start, end)
+            self.logprobs.scatter_(1, column, torch.where(live, logprob, 0.0).unsqueeze(1))
+            if end_mass is not None:  # the senior's span ended here: scored on its last token, t - 1
+                self.logprobs.scatter_add_(1, (t - 1).clamp_min(0).unsqueeze(1), torch.where(end > 0, end_mass, 0.0).unsqueeze(1))
         s.carry.copy_(self.rule.update(s.carry, token))
         if not self.sampling.ignore_eos:
             s.ended.logical_or_(token.unsqueeze(-1).eq(self.eos).any(-1) & live)
@@ -216,10 +242,12 @@ class TandemDecoder:
         s.finished.logical_or_(t >= self.budget)  # the budget: stopped without an end token (truncated)
         return token
 
-    def _handoff(self, t: Tensor, candidate: Tensor, senior: Tensor, junior: Tensor) -> Tensor:
+    def _handoff(self, t: Tensor, candidate: Tensor, senior: Tensor, junior: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """The token of every row, with its switch codes (``rollout.switch``; None: no sets)."""
         s = self.state
         boundary = self.rule.at_boundary(s.carry, candidate) & (s.span_len > 0)
         allowed = self.rule.start_allowed(s.carry)
+        forced = None
         if self.policy.max_span is not None:
             forced = s.span_len >= self.policy.max_span
             boundary = boundary | forced
@@ -229,6 +257,9 @@ class TandemDecoder:
         new_author = torch.where(boundary, drawn, s.author)
         switched = new_author != s.author
         switch_token = self._draw(new_author, senior, junior, uniform(self.seeds, t, _SWITCH), allowed)
+        start = end = None
+        if self.token_sets is not None:
+            start, end = switch_codes(self.rule.states, self.rule.state(s.carry), switched, forced, s.author == Author.SENIOR)
         if self.policy.max_spans is not None:  # the span limit ends the rollout here, as truncated
             s.finished.logical_or_(boundary & (s.spans >= self.policy.max_spans))
         live = ~s.finished
@@ -238,7 +269,7 @@ class TandemDecoder:
         s.handoffs.add_((switched & live).long())
         s.span_len.copy_(torch.where(boundary, 1, s.span_len + 1))  # a draw starts a new span
         s.author.copy_(new_author)
-        return torch.where(switched, switch_token, candidate)
+        return torch.where(switched, switch_token, candidate), start, end
 
     def all_finished(self) -> bool:
         return bool(self.state.finished.all())
@@ -249,16 +280,20 @@ class TandemDecoder:
         width = self.sampling.max_new_tokens
         return {
             "tokens": self.tokens[:, :width], "authors": self.authors[:, :width], "logprobs": self.logprobs[:, :width],
+            "start_sets": self.start_sets[:, :width], "end_sets": self.end_sets[:, :width],
             "ended": s.ended, "handoffs": s.handoffs, "decisions": s.decisions, "junior_draws": s.junior_draws,
         }
 
     def finish(self, prompts: PromptBatch, tokenizer) -> Rollout:
         """Package the rows (one per prompt, in order) as a Rollout."""
-        return package_rollout(prompts, {k: v.clone() for k, v in self.outputs().items()}, tokenizer, self.needs_senior)
+        return package_rollout(prompts, {k: v.clone() for k, v in self.outputs().items()}, tokenizer, self.needs_senior,
+                               self.token_sets)
 
 
-def package_rollout(prompts: PromptBatch, out: dict[str, Tensor], tokenizer, has_logprobs: bool) -> Rollout:
-    """A Rollout from per-sequence ``TandemDecoder.outputs`` (trimmed to the longest completion)."""
+def package_rollout(prompts: PromptBatch, out: dict[str, Tensor], tokenizer, has_logprobs: bool,
+                    token_sets: Tensor | None = None) -> Rollout:
+    """A Rollout from per-sequence ``TandemDecoder.outputs`` (trimmed to the longest completion);
+    ``token_sets``: the decoder's, which its switch codes name."""
     lengths = (out["authors"] != Author.PAD).sum(-1)
     width = max(int(lengths.max().item()) if lengths.numel() else 0, 1)
     tokens = out["tokens"][:, :width]
@@ -276,4 +311,7 @@ def package_rollout(prompts: PromptBatch, out: dict[str, Tensor], tokenizer, has
         junior_draws=out["junior_draws"],
         texts=texts,
         senior_logprobs=out["logprobs"][:, :width] if has_logprobs else None,
+        start_set=out["start_sets"][:, :width] if token_sets is not None else None,
+        end_set=out["end_sets"][:, :width] if token_sets is not None else None,
+        token_sets=token_sets,
     )

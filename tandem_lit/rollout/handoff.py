@@ -6,7 +6,8 @@ the author of the next span (junior with probability ``p``). When the draw chang
 the new author writes the next token, constrained to tokens that start a unit. So a span always
 holds whole units: a multi-token word is never split between authors. ``max_span`` optionally
 forces a draw after that many tokens without a boundary (that may split a word; it is off by
-default).
+default). A switch's tokens are scored under the distribution they were drawn from
+(``rollout.switch``, with the token sets of ``BoundaryRule.token_sets``).
 
 Boundaries come from the tokenizer at run time (``TokenClasses``): a word starts with a token
 whose text begins with whitespace; a sentence starts at whitespace after ``.?!`` or at a line
@@ -102,6 +103,11 @@ def token_texts(tokenizer) -> list[str]:
 class BoundaryRule(ABC):
     """A HandoffPolicy compiled for one vocabulary: pure tensor functions, CUDA-graph safe."""
 
+    # carry values that give distinct token sets: a carry is clamped into [0, states) to name the
+    # sets ``start_allowed`` and ``at_boundary`` take at it (``token_sets``); carries past the last
+    # state must give the last state's sets
+    states = 1
+
     def __init__(self, classes: TokenClasses):
         self.classes = classes
 
@@ -116,6 +122,23 @@ class BoundaryRule(ABC):
     def start_allowed(self, carry: Tensor) -> Tensor | None:  # -> [V] or [B, V] bool
         """Tokens the next span may start with (None: any token)."""
         return None
+
+    def state(self, carry: Tensor) -> Tensor:  # [B] -> [B] long in [0, states)
+        return carry.clamp(0, self.states - 1)
+
+    def token_sets(self) -> Tensor | None:  # -> [2 * states, V] bool
+        """Every token set a switch's probabilities are taken over (``rollout.switch``), by carry
+        state: row ``s`` holds the tokens a new span may start with at state ``s``
+        (``start_allowed``), row ``states + s`` the candidates that end a span there
+        (``at_boundary``). None where neither restricts anything (every token starts a span)."""
+        carry = torch.arange(self.states, device=self.classes.starts_ws.device)
+        every = torch.arange(self.classes.vocab_size, device=carry.device)
+        allowed = self.start_allowed(carry)
+        if allowed is None:
+            allowed = torch.ones_like(every, dtype=torch.bool)
+        ends = self.at_boundary(carry.unsqueeze(-1), every.unsqueeze(0))
+        shape = (self.states, self.classes.vocab_size)
+        return torch.cat([allowed.expand(shape), ends.expand(shape)])
 
 
 class HandoffPolicy(ABC):
@@ -176,6 +199,9 @@ class _EveryToken(BoundaryRule):
     def at_boundary(self, carry: Tensor, candidate: Tensor) -> Tensor:
         return torch.ones_like(candidate, dtype=torch.bool)
 
+    def token_sets(self) -> None:
+        return None  # any token starts and ends a span: no draw is restricted
+
 
 class _WordStart(BoundaryRule):
     def at_boundary(self, carry: Tensor, candidate: Tensor) -> Tensor:
@@ -187,6 +213,7 @@ class _WordStart(BoundaryRule):
 
 
 class _SentenceStart(_WordStart):
+    states = 4  # carry = ended + 2 * line, each 0 or 1
     # carry = ended + 2 * line: ``ended`` = the text so far ends with .?! (then only whitespace or
     # closing quotes); ``line`` = it ends with a line break (then only whitespace). A line break
     # may sit inside a token (".\n\n"), so both come from the token texts, not from single tokens.
@@ -214,6 +241,10 @@ class _SentenceStart(_WordStart):
 class _ParagraphStart(BoundaryRule):
     # carry = number of line breaks at the end of the text so far
     line_breaks = 2  # a blank line
+
+    @property
+    def states(self) -> int:  # every carry from line_breaks on is a boundary state alike
+        return self.line_breaks + 1
 
     def update(self, carry: Tensor, token: Tensor) -> Tensor:
         c = self.classes

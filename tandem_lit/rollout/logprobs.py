@@ -17,6 +17,10 @@ the row (Qwen3.5's Gated DeltaNet) and attention kernels that ignore the restart
 
 Fused (``fused=True``, ``memory.fused_kernels``): Liger-Kernel's fused linear cross-entropy in
 place of the chunks (``models.liger.liger_logprobs``): the same log-probs to bf16 rounding.
+
+Switches (``rollout.switch``): where the rollout's codes say a token was drawn from a restricted
+set, or the senior's span ended at a boundary, the log-masses of those sets are added, as the
+engine recorded them, in every layout above; only those positions are projected again.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from tandem_lit.models.delta_scan import chunk_gated_delta_rule
 from tandem_lit.models.liger import liger_logprobs
 from tandem_lit.models.varlen_attention import VARLEN, uses_varlen
 from tandem_lit.rollout.record import Rollout
+from tandem_lit.rollout.switch import set_log_mass
 from tandem_lit.rollout.weights import plain_model
 
 log = logging.getLogger(__name__)
@@ -286,17 +291,31 @@ def completion_logprobs(
     else:
         hidden = completion_hidden_states(model, rollout)
     width = completion.shape[1]
-    if fused:
-        logp = liger_logprobs(hidden, head.weight, completion, temperature, CHUNK_ELEMENTS, vocab=kept)
-        return unpacked(logp) if packed else logp
 
-    def chunk_logprobs(h: Tensor, targets: Tensor) -> Tensor:
+    def normalised(h: Tensor) -> Tensor:  # hidden states -> log-softmax at the temperature
         logits = head(h)[..., :kept].float()
         if softcap:
             logits = torch.tanh(logits / softcap) * softcap
         if temperature > 0:
             logits = logits / temperature
-        return logits.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        return logits.log_softmax(-1)
+
+    codes = None
+    if rollout.token_sets is not None:  # the switches' codes, in the layout of ``completion``
+        codes = [rollout.start_set, rollout.end_set]
+        if packed:
+            codes = [c.reshape(-1)[rows.written].unsqueeze(0) for c in codes]
+
+    def with_switches(logp: Tensor) -> Tensor:
+        if codes is not None:
+            logp = logp + switch_terms(normalised, hidden, *codes, rollout.token_sets, head.weight.shape[0])
+        return unpacked(logp) if packed else logp
+
+    if fused:
+        return with_switches(liger_logprobs(hidden, head.weight, completion, temperature, CHUNK_ELEMENTS, vocab=kept))
+
+    def chunk_logprobs(h: Tensor, targets: Tensor) -> Tensor:
+        return normalised(h).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
     step = max(1, CHUNK_ELEMENTS // (completion.shape[0] * head.weight.shape[0]))
     parts = []
@@ -307,7 +326,39 @@ def completion_logprobs(
         else:
             parts.append(chunk_logprobs(h, targets))
     logp = torch.cat(parts, dim=1) if parts else hidden.new_zeros(completion.shape, dtype=torch.float32)
-    return unpacked(logp) if packed else logp
+    return with_switches(logp)
+
+
+def switch_terms(normalised, hidden: Tensor, start: Tensor, end: Tensor, sets: Tensor, head_rows: int) -> Tensor:
+    """What a switch adds to each token's log-prob (``rollout.switch``): ``-log Z`` of its start set
+    at its own position, and ``log Z`` of the end set at the next position (the senior's span
+    ended there). ``normalised``: hidden states -> log-softmax; ``hidden`` [N, T, H]; codes [N, T];
+    only the coded positions are projected (in chunks, recomputed in backward).  # -> [N, T]"""
+    coded = (start != 0) | (end != 0)
+    where = coded.nonzero(as_tuple=True)  # one device sync: a switch's positions are few
+    terms = hidden.new_zeros((2, *coded.shape), dtype=torch.float32)
+    if not where[0].numel():
+        return terms[0]
+    at, start_codes, end_codes = hidden[where], start[where], end[where]
+    sets = sets.to(hidden.device)
+
+    def masses(h: Tensor, s: Tensor, e: Tensor) -> Tensor:  # -> [2, n]: start and end set log-masses
+        logp = normalised(h)
+        return torch.stack([set_log_mass(logp, sets, s), set_log_mass(logp, sets, e)])
+
+    step = max(1, CHUNK_ELEMENTS // head_rows)
+    parts = []
+    for first in range(0, at.shape[0], step):
+        chunk = (at[first : first + step], start_codes[first : first + step], end_codes[first : first + step])
+        if torch.is_grad_enabled() and at.requires_grad:
+            parts.append(checkpoint(masses, *chunk, use_reentrant=False))
+        else:
+            parts.append(masses(*chunk))
+    start_mass, end_mass = torch.cat(parts, dim=1)
+    terms = terms.index_put((torch.zeros_like(where[0]), *where), -start_mass)
+    terms = terms.index_put((torch.ones_like(where[0]), *where), end_mass)
+    # the senior's span end is scored on its last token, the one before (never a row's first)
+    return terms[0] + torch.nn.functional.pad(terms[1][:, 1:], (0, 1))
 
 
 @torch.no_grad()

@@ -108,8 +108,17 @@ class Rollout:
     junior_draws: Tensor  # [B] long, how many of those draws picked the junior
     texts: list[str] = field(default_factory=list)  # decoded completions (special tokens removed)
     # [B, T] float32: the senior's log-prob of each appended token at the sampling temperature,
-    # as the engine computed it (None when the senior did not run, e.g. junior-only rollouts)
+    # as the engine computed it (None when the senior did not run, e.g. junior-only rollouts),
+    # under the distribution the token was drawn from (``rollout.switch``); TextHandoffEngine
+    # records the senior's own tokens only (0 at the junior's re-encoded ones)
     senior_logprobs: Tensor | None = None
+    # [B, T] int8 switch codes, 1-based rows of ``token_sets`` (0: none): ``start_set``, the set a
+    # token was drawn from after a switch; ``end_set``, the set the senior's discarded candidate
+    # came from where its span ended at this position (its mass scores the token before). None,
+    # with ``token_sets`` [K, V] bool: no draw of these rollouts was restricted (``rollout.switch``)
+    start_set: Tensor | None = None
+    end_set: Tensor | None = None
+    token_sets: Tensor | None = None
 
     @property
     def completion_mask(self) -> Tensor:  # [B, T] bool, True on written tokens
@@ -137,8 +146,9 @@ class Rollout:
                 "truncated", "handoffs", "decisions", "junior_draws",
             )
         }
-        logprobs = self.senior_logprobs[index] if self.senior_logprobs is not None else None
-        return Rollout(**picked, texts=[self.texts[i] for i in rows], senior_logprobs=logprobs)
+        per_token = {name: getattr(self, name)[index] if getattr(self, name) is not None else None
+                     for name in ("senior_logprobs", "start_set", "end_set")}
+        return Rollout(**picked, texts=[self.texts[i] for i in rows], **per_token, token_sets=self.token_sets)
 
     def to(self, device: torch.device | str) -> Rollout:
         """The same rollouts on ``device`` (host copies travel between ranks: a pickled CUDA tensor
@@ -156,14 +166,15 @@ class Rollout:
             first = int(self.prompt_mask.bool().any(0).long().argmax()) if self.prompt_mask.numel() else 0
         if width is None:
             width = max(int(self.lengths.max()) if self.lengths.numel() else 0, 1)
-        logprobs = self.senior_logprobs[:, :width] if self.senior_logprobs is not None else None
+        per_token = {name: getattr(self, name)[:, :width] if getattr(self, name) is not None else None
+                     for name in ("senior_logprobs", "start_set", "end_set")}
         return replace(
             self,
             prompt_ids=self.prompt_ids[:, first:],
             prompt_mask=self.prompt_mask[:, first:],
             completion_ids=self.completion_ids[:, :width],
             author=self.author[:, :width],
-            senior_logprobs=logprobs,
+            **per_token,
         )
 
     def spans(self, row: int, tokenizer) -> list[tuple[Author, str]]:
@@ -197,6 +208,13 @@ def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
     logprobs = None
     if all(p.senior_logprobs is not None for p in parts):
         logprobs = pad_to([p.senior_logprobs for p in parts], completion_width, 0, left=False)
+    tables = [p.token_sets for p in parts if p.token_sets is not None]
+    if any(not torch.equal(t, tables[0]) for t in tables[1:]):
+        raise ValueError("rollouts with different handoff token sets cannot be stacked (their switch codes differ)")
+    codes = {}
+    for name in ("start_set", "end_set"):
+        codes[name] = pad_to([getattr(p, name) if getattr(p, name) is not None else torch.zeros_like(p.author)
+                              for p in parts], completion_width, 0, left=False) if tables else None
     return Rollout(
         prompt_ids=pad_to([p.prompt_ids for p in parts], prompt_width, pad_token_id, left=True),
         prompt_mask=pad_to([p.prompt_mask for p in parts], prompt_width, 0, left=True),
@@ -209,4 +227,6 @@ def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
         junior_draws=torch.cat([p.junior_draws for p in parts]),
         texts=[t for p in parts for t in p.texts],
         senior_logprobs=logprobs,
+        **codes,
+        token_sets=tables[0] if tables else None,
     )

@@ -10,6 +10,11 @@ The Rollout is in the senior's tokens: its own spans as written, junior spans as
 (and read by) the senior, each marked with its author, so the objective sees exactly the token
 stream the senior was conditioned on. The token budget counts tokens written by either model.
 Rows are decoded one at a time (ragged per-row re-encoding): correct, not fast.
+
+The senior's log-probs are recorded for the tokens it wrote, with the switch terms of
+``rollout.switch`` (its first token after the junior's span drawn from its own start set; its span
+ending at its own boundary); junior tokens, drawn in the junior's vocabulary and re-encoded, hold 0
+(the update's diagnostics and corrections read senior tokens only).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from tandem_lit.rollout.engine import RolloutEngine, cache_kwarg, end_token_ids,
 from tandem_lit.rollout.handoff import BoundaryRule, HandoffPolicy, TokenClasses
 from tandem_lit.rollout.record import Author, PromptBatch, Rollout
 from tandem_lit.rollout.sampling import SamplingConfig, sample_tokens, uniform
+from tandem_lit.rollout.switch import set_log_mass
 from tandem_lit.rollout.weights import check_rollout_dtype
 
 
@@ -58,6 +64,14 @@ class _Writer:
     def sample(self, seed: Tensor, step: int, stream: int, sampling: SamplingConfig, allowed: Tensor | None = None) -> int:
         return int(sample_tokens(self.logits, uniform(seed, step, stream), sampling, allowed))
 
+    def set_log_mass(self, temperature: float, sets: Tensor, code: int) -> float:
+        """log of this model's next-token mass on set ``code`` (``rollout.switch``), at the temperature."""
+        logp = (self.logits / temperature).log_softmax(-1)
+        return float(set_log_mass(logp, sets, torch.tensor([code], device=logp.device)))
+
+    def logprob(self, temperature: float, token: int) -> float:
+        return float((self.logits / temperature).log_softmax(-1)[0, token])
+
     def decode_span(self, ids: list[int], before: int | None) -> str:
         """The text ``ids`` add after token ``before`` (decoded with it, so leading spaces survive)."""
         if before is None:
@@ -76,6 +90,10 @@ class _Row:
 
     ids: list[int] = field(default_factory=list)
     authors: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # the senior's, at its own tokens (0 at the junior's)
+    start_set: list[int] = field(default_factory=list)  # switch codes (``rollout.switch``)
+    end_set: list[int] = field(default_factory=list)
+    ends: list[tuple[int, int, float]] = field(default_factory=list)  # (position, end code, its log-mass)
     ended: bool = False
     handoffs: int = 0
     decisions: int = 0
@@ -125,6 +143,7 @@ class TextHandoffEngine(RolloutEngine):
             Author.JUNIOR: _Writer(self.junior, self.junior_tokenizer, policy.compile(junior_classes), self.junior_eos, device),
         }
         budgets = prompts.budgets(sampling.max_new_tokens).tolist()
+        sets = writers[Author.SENIOR].rule.token_sets() if policy.only_author is None else None
         rows = []
         with eval_mode(self.senior, self.junior):
             for b in range(prompts.batch_size):
@@ -133,12 +152,15 @@ class TextHandoffEngine(RolloutEngine):
                     Author.JUNIOR: _unpadded(prompts.partner.input_ids[b], prompts.partner.attention_mask[b]),
                 }
                 rows.append(self._one(writers, prompt_views, prompts.seeds[b : b + 1].to(device), policy, sampling,
-                                     budgets[b]))
-        return self._rollout(prompts, rows)
+                                     budgets[b], sets))
+        return self._rollout(prompts, rows, sets, policy.only_author != Author.JUNIOR)
 
     def _one(self, writers: dict, prompt_views: dict, seed: Tensor, policy: HandoffPolicy, sampling: SamplingConfig,
-             budget: int) -> _Row:
+             budget: int, sets: Tensor | None) -> _Row:
         row = _Row()
+        temperature = sampling.temperature if sampling.temperature > 0 else 1.0
+        senior = writers[Author.SENIOR]
+        rule = senior.rule
         for author, writer in writers.items():
             writer.start(prompt_views[author])
         if policy.first_author == "draw":
@@ -147,11 +169,13 @@ class TextHandoffEngine(RolloutEngine):
         else:
             author = Author.JUNIOR if policy.first_author == "junior" else Author.SENIOR
         span: list[int] = []  # tokens of the current span, in the active writer's vocabulary
+        scores: list[tuple[float, int]] = []  # the senior's (log-prob, start code) of each of its span's tokens
         before: int | None = None  # the token before the span, in that vocabulary
         spans = 1
         for t in range(budget):
             writer = writers[author]
             token = writer.sample(seed, t, _CANDIDATE, sampling)
+            start = 0
             boundary = bool(span) and bool(writer.rule.at_boundary(writer.carry, torch.tensor([token], device=writer.device)))
             forced = policy.max_span is not None and len(span) >= policy.max_span
             if (boundary or forced) and policy.only_author is None:
@@ -163,42 +187,65 @@ class TextHandoffEngine(RolloutEngine):
                 row.junior_draws += int(drawn == Author.JUNIOR)
                 if drawn != author:  # hand the text over: the other model reads the span, then writes
                     text = writer.decode_span(span, before)
-                    self._record(row, author, text, span)
-                    writer, author, span = writers[drawn], drawn, []
+                    self._record(row, author, text, span, scores)
+                    coded = sets is not None and not forced
+                    if author == Author.SENIOR and coded:  # its span ended: scored on its last token
+                        code = 1 + rule.states + int(rule.state(senior.carry))
+                        row.ends.append((len(row.ids), code, senior.set_log_mass(temperature, sets, code)))
+                    writer, author, span, scores = writers[drawn], drawn, [], []
                     fed = writer.encode(text)
                     if fed:
                         writer.feed(fed)
                     before = fed[-1] if fed else None
                     allowed = None if forced else writer.rule.start_allowed(writer.carry)
                     token = writer.sample(seed, t, _SWITCH, sampling, allowed)
+                    if author == Author.SENIOR and coded:
+                        start = 1 + int(rule.state(senior.carry))
                     row.handoffs += 1
+            if author == Author.SENIOR:  # the distribution the token was drawn from (rollout.switch)
+                mass = senior.set_log_mass(temperature, sets, start) if start else 0.0
+                scores.append((senior.logprob(temperature, token) - mass, start))
             span.append(token)
             if token in writer.eos and not sampling.ignore_eos:
                 row.ended = True
                 break
             writer.feed([token])
-        self._record(row, author, writers[author].decode_span(span, before), span)
+        self._record(row, author, writers[author].decode_span(span, before), span, scores)
+        for position, code, mass in row.ends:  # (a junior span that re-encoded to nothing at the end: no token)
+            if position < len(row.ids):
+                row.end_set[position] = code
+                row.logprobs[position - 1] += mass
         return row
 
-    def _record(self, row: _Row, author: Author, text: str, span: list[int]) -> None:
+    def _record(self, row: _Row, author: Author, text: str, span: list[int], scores: list[tuple[float, int]]) -> None:
         """Append a finished span to the row in senior tokens (a junior end token becomes the senior's)."""
         if author == Author.SENIOR:
             ids = list(span)
+            row.logprobs.extend(logprob for logprob, _ in scores)
+            row.start_set.extend(code for _, code in scores)
         else:
             ids = self.tokenizer.encode(text, add_special_tokens=False)
             if span and span[-1] in self.junior_eos and row.ended:
                 ids.append(self.eos_token_ids[0])
+            row.logprobs.extend([0.0] * len(ids))
+            row.start_set.extend([0] * len(ids))
         row.ids.extend(ids)
         row.authors.extend([int(author)] * len(ids))
+        row.end_set.extend([0] * len(ids))
 
-    def _rollout(self, prompts: PromptBatch, rows: list[_Row]) -> Rollout:
+    def _rollout(self, prompts: PromptBatch, rows: list[_Row], sets: Tensor | None, senior_wrote: bool) -> Rollout:
         width = max(1, max(len(r.ids) for r in rows))
         batch = len(rows)
         ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
-        authors = torch.zeros((batch, width), dtype=torch.int8)
+        authors, starts, ends = (torch.zeros((batch, width), dtype=torch.int8) for _ in range(3))
+        logprobs = torch.zeros((batch, width), dtype=torch.float32)
         for i, r in enumerate(rows):
-            ids[i, : len(r.ids)] = torch.tensor(r.ids, dtype=torch.long)
-            authors[i, : len(r.authors)] = torch.tensor(r.authors, dtype=torch.int8)
+            n = len(r.ids)
+            ids[i, :n] = torch.tensor(r.ids, dtype=torch.long)
+            authors[i, :n] = torch.tensor(r.authors, dtype=torch.int8)
+            logprobs[i, :n] = torch.tensor(r.logprobs, dtype=torch.float32)
+            starts[i, :n] = torch.tensor(r.start_set, dtype=torch.int8)
+            ends[i, :n] = torch.tensor(r.end_set, dtype=torch.int8)
         device = prompts.input_ids.device
         ended = torch.tensor([r.ended for r in rows])
         return Rollout(
@@ -212,6 +259,10 @@ class TextHandoffEngine(RolloutEngine):
             decisions=torch.tensor([r.decisions for r in rows], device=device),
             junior_draws=torch.tensor([r.junior_draws for r in rows], device=device),
             texts=self.tokenizer.batch_decode([r.ids for r in rows], skip_special_tokens=True),
+            senior_logprobs=logprobs.to(device) if senior_wrote else None,
+            start_set=starts.to(device) if sets is not None else None,
+            end_set=ends.to(device) if sets is not None else None,
+            token_sets=sets.to(device) if sets is not None else None,
         )
 
 

@@ -436,7 +436,7 @@ class FastEngine(RolloutEngine):
             run.setup_s = time.perf_counter() - started
             results = run.decode(prompts, budgets, active, step, self._kv_len)
         self._last_run = run
-        return package_rollout(prompts, results, self.tokenizer, decoder.needs_senior)
+        return package_rollout(prompts, results, self.tokenizer, decoder.needs_senior, decoder.token_sets)
 
     def _prefill_side(self) -> torch.cuda.Stream:
         if self._prefill_stream is None:

@@ -299,27 +299,65 @@ def sample_rows(a: Tensor, u: Tensor, temperature: float, b: Tensor | None = Non
 
 
 @triton.jit
-def _token_logprob_kernel(x_ptr, token_ptr, out_ptr, x_sb, inv_t, V: tl.constexpr, BLOCK: tl.constexpr):
+def _set_lse_step(x, in_set, m, total):
+    """One block of an online log-sum-exp over the entries of ``x`` in a set (which may hold none)."""
+    x = tl.where(in_set, x, float("-inf"))
+    m_new = tl.maximum(m, tl.max(x, axis=0))
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    return m_new, total * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), axis=0)
+
+
+@triton.jit
+def _token_logprob_kernel(x_ptr, token_ptr, out_ptr, x_sb, inv_t, sets_ptr, start_ptr, end_ptr, end_out_ptr,
+                          V: tl.constexpr, BLOCK: tl.constexpr, HAS_SETS: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     m = float("-inf")
     total = 0.0
-    for start in range(0, V, BLOCK):  # online log-sum-exp of x / T
-        x = tl.load(x_ptr + row * x_sb + start + cols, mask=start + cols < V, other=float("-inf")) * inv_t
+    # the switch sets (rollout.switch): each row's start and end set, 1-based rows of sets [K, V]
+    m_start, total_start, m_end, total_end = float("-inf"), 0.0, float("-inf"), 0.0
+    if HAS_SETS:
+        start_code = tl.load(start_ptr + row)
+        end_code = tl.load(end_ptr + row)
+        start_row = sets_ptr + tl.maximum(start_code - 1, 0) * V
+        end_row = sets_ptr + tl.maximum(end_code - 1, 0) * V
+    for first in range(0, V, BLOCK):  # online log-sum-exp of x / T (and of its entries in each set)
+        inside = first + cols < V
+        x = tl.load(x_ptr + row * x_sb + first + cols, mask=inside, other=float("-inf")) * inv_t
         m_new = tl.maximum(m, tl.max(x, axis=0))
         total = total * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
         m = m_new
+        if HAS_SETS:
+            m_start, total_start = _set_lse_step(x, tl.load(start_row + first + cols, mask=inside, other=0) != 0,
+                                                 m_start, total_start)
+            m_end, total_end = _set_lse_step(x, tl.load(end_row + first + cols, mask=inside, other=0) != 0,
+                                             m_end, total_end)
+    lse = m + tl.log(total)
     chosen = tl.load(x_ptr + row * x_sb + tl.load(token_ptr + row)) * inv_t
-    tl.store(out_ptr + row, chosen - m - tl.log(total))
+    logp = chosen - lse
+    if HAS_SETS:
+        logp = logp - tl.where(start_code > 0, m_start + tl.log(total_start) - lse, 0.0)
+        tl.store(end_out_ptr + row, tl.where(end_code > 0, m_end + tl.log(total_end) - lse, 0.0))
+    tl.store(out_ptr + row, logp)
 
 
-def token_logprobs(logits: Tensor, token: Tensor, temperature: float, block: int = 4096) -> Tensor:
-    """log_softmax(logits / T)[token] per row, in one pass.  # [B, V] float32, [B] long -> [B] float32"""
+def token_logprobs(logits: Tensor, token: Tensor, temperature: float, sets: Tensor | None = None,
+                   start: Tensor | None = None, end: Tensor | None = None,
+                   block: int = 4096) -> tuple[Tensor, Tensor | None]:
+    """log_softmax(logits / T)[token] per row, in one pass; with switch ``sets`` [K, V] bool and
+    per-row ``start`` / ``end`` codes (``rollout.switch``): the log-prob under each row's start set
+    and the log-mass of its end set, as ``switch.set_log_mass`` computes them.
+    # [B, V] float32, [B] long -> ([B] float32, [B] float32 or None)"""
     batch, vocab = logits.shape
     out = torch.empty(batch, dtype=torch.float32, device=logits.device)
-    _token_logprob_kernel[(batch,)](logits, token, out, logits.stride(0), 1.0 / temperature,
-                                    V=vocab, BLOCK=block, num_warps=8)
-    return out
+    has_sets = sets is not None and start is not None
+    end_out = torch.empty(batch, dtype=torch.float32, device=logits.device) if has_sets else None
+    table = sets.contiguous().view(torch.uint8) if has_sets else out
+    _token_logprob_kernel[(batch,)](logits, token, out, logits.stride(0), 1.0 / temperature, table,
+                                    start if has_sets else token, end if has_sets else token,
+                                    end_out if has_sets else out,
+                                    V=vocab, BLOCK=block, HAS_SETS=has_sets, num_warps=8)
+    return out, end_out
 
 
 @triton.jit
