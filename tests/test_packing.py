@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tandem_lit.errors import ConfigError
-from tandem_lit.evaluation.results import RolloutResult
+from tandem_lit.rollout.result import RolloutResult
 from tandem_lit.models import varlen_attention
 from tandem_lit.objectives.base import ObjectiveInputs
 from tandem_lit.objectives.grpo import GRPO

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from tandem_lit.errors import ConfigError
-from tandem_lit.evaluation.results import RolloutResult
+from tandem_lit.rollout.result import RolloutResult
 from tandem_lit.rollout.handoff import SoloHandoff
 from tandem_lit.rollout.logprobs import completion_top_tokens
 from tandem_lit.rollout.record import PromptBatch

@@ -30,7 +30,7 @@ from tandem_lit.evaluation.report import (
     summarize,
     write_report,
 )
-from tandem_lit.evaluation.results import RolloutResult
+from tandem_lit.rollout.result import RolloutResult
 from tandem_lit.rollout.handoff import HandoffPolicy, SoloHandoff
 from tandem_lit.rollout.logprobs import completion_logprobs
 from tandem_lit.rollout.record import Author, Rollout

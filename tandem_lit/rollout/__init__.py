@@ -11,6 +11,7 @@ from tandem_lit.rollout.handoff import (
     WordHandoff,
 )
 from tandem_lit.rollout.record import Author, PromptBatch, Rollout
+from tandem_lit.rollout.result import RolloutResult
 from tandem_lit.rollout.sampling import SamplingConfig
 from tandem_lit.rollout.static import FastEngine
 from tandem_lit.rollout.text_handoff import TextHandoffEngine
@@ -18,6 +19,7 @@ from tandem_lit.rollout.vllm_engine import VLLMEngine  # imports vllm only when 
 
 __all__ = [
     "Author", "HFEngine", "HandoffPolicy", "LineHandoff", "ParagraphHandoff", "PromptBatch", "Rollout", "RolloutEngine",
+    "RolloutResult",
     "SamplingConfig", "SentenceHandoff", "SoloHandoff", "TextHandoffEngine", "TokenHandoff", "TokenizerMismatchError",
     "WordHandoff", "FastEngine", "VLLMEngine",
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tandem_lit.evaluation.results import RolloutResult
+from tandem_lit.rollout.result import RolloutResult
 
 
 def append(folder: str | Path, result: RolloutResult, tokenizer, split: str, run_id: str | None, step: int, count: int) -> None:

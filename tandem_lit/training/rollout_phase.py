@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from tandem_lit.evaluation.results import RolloutResult, concat_results
+from tandem_lit.rollout.result import RolloutResult, concat_results
 from tandem_lit.objectives.base import AuthorshipError
 from tandem_lit.rollout.engine import RolloutEngine
 from tandem_lit.rollout.handoff import HandoffPolicy

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from tandem_lit.errors import LogprobGapError, NonFiniteGradientError
 from tandem_lit.evaluation.metrics import LogprobGap
-from tandem_lit.evaluation.results import RolloutResult
+from tandem_lit.rollout.result import RolloutResult
 from tandem_lit.models import liger
 from tandem_lit.models.varlen_attention import varlen_during
 from tandem_lit.objectives.base import Objective, ObjectiveInputs
