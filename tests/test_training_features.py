@@ -17,14 +17,13 @@ from conftest import tiny_tandem_module
 
 from tandem_lit.cli import build_cli, main
 from tandem_lit.data.base import PromptDataModule
-from tandem_lit.errors import ConfigError, TandemLitError
+from tandem_lit.errors import ConfigError, TandemLitError, TrainingStalledError
 from tandem_lit.models import LoraSettings, ModelSource
 from tandem_lit.objectives import GRPO, ObjectiveInputs
 from tandem_lit.rollout import Author, SamplingConfig, TokenHandoff, WordHandoff
 from tandem_lit.rollout.handoff import TokenClasses
 from tandem_lit.rollout.static import FastEngine
 from tandem_lit.training import DynamicSampling, OverlongPolicy, TandemModule
-from tandem_lit.training.settings import TrainingStalledError
 from tandem_lit.verifiers.base import Grade, Verifier
 
 pytestmark = [

@@ -20,15 +20,11 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from tandem_lit.errors import ConfigError, TandemLitError
+from tandem_lit.errors import AuthorshipError, ConfigError
 from tandem_lit.rollout.record import Author
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-
-
-class AuthorshipError(TandemLitError, ValueError):
-    """Authorship is missing or malformed: refuse to compute a loss (fail closed)."""
 
 
 @dataclass

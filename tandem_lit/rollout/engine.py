@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tandem_lit.errors import ConfigError
+from tandem_lit.errors import ConfigError, TokenizerMismatchError
 from tandem_lit.rollout.decoder import TandemDecoder
 from tandem_lit.rollout.handoff import HandoffPolicy, TokenClasses
 from tandem_lit.rollout.record import Author, PromptBatch, Rollout
@@ -35,10 +35,6 @@ from tandem_lit.rollout.weights import (
     rollout_dtype,
     rollout_named_tensors,
 )
-
-
-class TokenizerMismatchError(ConfigError):
-    """Senior and junior tokenizers differ where a shared one is required."""
 
 
 def check_shared_tokenizer(senior_tokenizer, junior_tokenizer) -> None:

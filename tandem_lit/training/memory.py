@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from tandem_lit.errors import ConfigError
+from tandem_lit.errors import MemoryBudgetError
 
 GIB = 1024**3
 FIXED_OVERHEAD = 3 * GIB  # CUDA context, cuBLAS workspaces, graph pools, allocator slack
@@ -41,10 +41,6 @@ LOGIT_CHUNK_BYTES = 3 * GIB  # logprobs.CHUNK_ELEMENTS float32 logits, their log
 # LoRA): the Gated DeltaNet layer under transformers' torch fallback 2.8-3.0x, Qwen3.5's gated full
 # attention 1.25-1.5x. Without them a 9B LoRA step was estimated at 114 GiB and ran out of an H200.
 HYBRID_LAYER_FACTORS = {"linear_attention": 3.0, "full_attention": 1.5}
-
-
-class MemoryBudgetError(ConfigError):
-    """The estimated peak memory of a step exceeds the device's."""
 
 
 @dataclass

@@ -31,7 +31,7 @@ import lightning as L
 import torch
 from torch import nn
 
-from tandem_lit.errors import ConfigError
+from tandem_lit.errors import ConfigError, TrainingStalledError
 from tandem_lit.evaluation.metrics import JargonDetector, rollout_stats
 from tandem_lit.evaluation.report import merge_totals
 from tandem_lit.evaluation.steps import EvaluationSteps
@@ -61,7 +61,6 @@ from tandem_lit.training.settings import (
     LoggingSettings,
     MemorySettings,
     RolloutSettings,
-    TrainingStalledError,
     UpdateSettings,
 )
 from tandem_lit.training.update_phase import UpdatePhase

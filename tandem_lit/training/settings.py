@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from tandem_lit.errors import ConfigError, TandemLitError
+from tandem_lit.errors import ConfigError
 from tandem_lit.evaluation.language import LanguageShare
 from tandem_lit.evaluation.steps import EvalMode
 from tandem_lit.models.liger import FusedKernels
@@ -65,10 +65,6 @@ class PromptFormat:
         ]
         extra = {"enable_thinking": self.enable_thinking} if self.enable_thinking is not None else {}
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
-
-
-class TrainingStalledError(TandemLitError, RuntimeError):
-    """Training cannot make progress with these settings."""
 
 
 @dataclass
