@@ -1,5 +1,4 @@
-"""GPU memory of a training step: an estimate from shapes before the run, and optimizer-state
-offload during rollouts.
+"""GPU memory of a training step: an estimate from shapes before the run.
 
 A step has two phases that never need their big buffers at the same time:
 
@@ -253,93 +252,6 @@ def plan_kv_pool(engine, estimate: MemoryEstimate, capacity: int) -> str | None:
             sized_by = "what fits the GPU"
     return (f"paged KV pool: {tokens:,} token positions, {estimate.rollout['KV caches'] / GIB:.1f} GiB ({sized_by}); "
             f"{fit:,} fit beside the rest of the rollout phase")
-
-
-def pack_by_tokens(
-    prompts: list[int], completions: list[int], max_rows: int, max_tokens: int, packed: bool = False,
-) -> list[list[int]]:
-    """Row indices in passes of at most ``max_rows`` rows and ``max_tokens`` tokens, longest first.
-
-    Padded rows (``packed`` False): a pass costs its rows x (longest prompt + longest completion),
-    so rows of like length share a pass. Packed rows: a pass costs the sum of its sequences'
-    tokens, and each row goes into the first pass with room for it (first-fit decreasing). A row
-    longer than ``max_tokens`` goes alone."""
-    order = sorted(range(len(prompts)), key=lambda i: -(prompts[i] + completions[i]))
-    passes: list[list[int]] = []
-    if packed:
-        used: list[int] = []
-        for i in order:
-            tokens = prompts[i] + completions[i]
-            room = next((k for k, p in enumerate(passes) if len(p) < max_rows and used[k] + tokens <= max_tokens), None)
-            if room is None:
-                passes.append([i])
-                used.append(tokens)
-            else:
-                passes[room].append(i)
-                used[room] += tokens
-        return passes
-    for i in order:
-        current = passes[-1] if passes else []
-        grown = current + [i]
-        # a trimmed pass is as wide as its longest prompt plus its longest completion
-        padded = len(grown) * (max(prompts[j] for j in grown) + max(completions[j] for j in grown))
-        if current and len(grown) <= max_rows and padded <= max_tokens:
-            current.append(i)
-        else:
-            passes.append([i])
-    return passes
-
-
-class OptimizerOffload:
-    """Moves optimizer state to pinned host memory during rollouts and back for the update.
-
-    The host buffers are allocated once and reused, so a step costs two copies over PCIe (~1.3 s
-    each for the 32 GB of a 4B model's AdamW state) and no allocation. FSDP's state (DTensors)
-    moves shard by shard: each rank offloads its own local shard and gets the DTensor back.
-    """
-
-    def __init__(self) -> None:
-        self._host: dict[tuple[int, str], torch.Tensor] = {}
-        self._device: dict[tuple[int, str], torch.device] = {}
-        self._sharding: dict[tuple[int, str], tuple] = {}  # DTensor state: (mesh, placements, shape, stride)
-
-    def to_host(self, optimizer: torch.optim.Optimizer) -> int:
-        moved = 0
-        for param, state in optimizer.state.items():
-            for key, value in state.items():
-                if torch.is_tensor(value) and value.is_cuda:
-                    slot = (id(param), key)
-                    local = value
-                    if hasattr(value, "to_local"):  # a DTensor: keep how it is sharded
-                        self._sharding[slot] = (value.device_mesh, value.placements, value.shape, value.stride())
-                        local = value.to_local()
-                    host = self._host.get(slot)
-                    if host is None or host.shape != local.shape or host.dtype != local.dtype:
-                        host = self._host[slot] = torch.empty(local.shape, dtype=local.dtype, pin_memory=True)
-                    host.copy_(local, non_blocking=True)
-                    self._device[slot] = local.device
-                    state[key] = host
-                    moved += local.numel() * local.element_size()
-        if moved:
-            torch.cuda.synchronize()  # the device copies may be freed only once the host has them
-        return moved
-
-    def to_device(self, optimizer: torch.optim.Optimizer) -> int:
-        moved = 0
-        for param, state in optimizer.state.items():
-            for key, value in state.items():
-                slot = (id(param), key)
-                if torch.is_tensor(value) and slot in self._device and value is self._host.get(slot):
-                    local = value.to(self._device.pop(slot), non_blocking=True)
-                    sharding = self._sharding.pop(slot, None)
-                    if sharding is not None:
-                        from torch.distributed.tensor import DTensor
-
-                        mesh, placements, shape, stride = sharding
-                        local = DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
-                    state[key] = local
-                    moved += value.numel() * value.element_size()
-        return moved
 
 
 def estimate_run_memory(

@@ -23,17 +23,18 @@ from torch import Tensor, nn
 
 from tandem_lit.errors import LogprobGapError, NonFiniteGradientError
 from tandem_lit.evaluation.metrics import LogprobGap
-from tandem_lit.rollout.result import RolloutResult
 from tandem_lit.models import liger
 from tandem_lit.models.varlen_attention import varlen_during
 from tandem_lit.objectives.base import Objective, ObjectiveInputs
 from tandem_lit.rollout.logprobs import completion_logprobs
 from tandem_lit.rollout.record import Rollout
+from tandem_lit.rollout.result import RolloutResult
 from tandem_lit.rollout.sampling import SamplingConfig
 from tandem_lit.rollout.weights import plain_model
 from tandem_lit.training.compute_weights import ComputeWeights, autocast_dtype
 from tandem_lit.training.distributed import all_reduce_sum, balance, full_value, max_over_ranks
-from tandem_lit.training.memory import OptimizerOffload, pack_by_tokens
+from tandem_lit.training.offload import OptimizerOffload
+from tandem_lit.training.passes import pack_by_tokens
 from tandem_lit.training.settings import MemorySettings, UpdateSettings
 
 log = logging.getLogger(__name__)
