@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import lightning as L
@@ -331,11 +330,10 @@ def test_fewer_fitting_prompts_than_processes_is_an_idle_step_with_its_own_error
     """On W processes a step trains a multiple of W of the prompts that fit (docs/distributed.md);
     the two-process runs of tests/test_distributed_sampling.py reach the other stop lines."""
     module = tandem_module(max_prompt_tokens=20, max_idle_steps=2)
-    module._trainer = SimpleNamespace(world_size=2)
-    module.count_idle_step(True, fitting=1)  # the first idle step passes
+    module.idle_steps.count(True, fitting=1, world=2)  # the first idle step passes
     with pytest.raises(TrainingStalledError, match="fewer than 2 prompts of each of the last 2 batches fit "
                                                    "rollout.max_prompt_tokens=20, and the 2 processes train equal shares"):
-        module.count_idle_step(True, fitting=1)
+        module.idle_steps.count(True, fitting=1, world=2)
 
 
 # ------------------------------------------------------------------------------- span limit

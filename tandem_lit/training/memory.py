@@ -9,8 +9,8 @@ The engine releases its caches before the update and gradients are freed (not ze
 so the peak is the larger phase, not their sum. ``estimate_step_memory`` adds the parts up from
 the models' shapes and the run's settings; ``MemoryEstimate.check`` fails before the first step
 with what does not fit and which setting to change, instead of an out-of-memory trace mid-run.
-With a paged engine the KV caches are its pool, and ``plan_kv_pool`` sizes a pool the run left
-unsized to what fits. On W ranks (FSDP2, ``StepSettings.world``) the senior's float32 weights,
+With a paged engine the KV caches are its pool, which the engine sizes from ``kv_budget`` (a pool
+the run left unsized gets what fits). On W ranks (FSDP2, ``StepSettings.world``) the senior's float32 weights,
 gradients and optimizer state are split W ways; every rank still holds the full bf16 rollout
 copy, the junior, the KV caches of its own share of the rollouts and the activations of its
 micro-batches, plus the layers FSDP gathers for compute (the root unit, embeddings and head,
@@ -25,12 +25,16 @@ autocast, counted per token; a hybrid model's layers weighted by what they were 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from tandem_lit.errors import MemoryBudgetError
+from tandem_lit.rollout.engine import KVBudget
+
+log = logging.getLogger(__name__)
 
 GIB = 1024**3
 FIXED_OVERHEAD = 3 * GIB  # CUDA context, cuBLAS workspaces, graph pools, allocator slack
@@ -232,26 +236,44 @@ def estimate_step_memory(senior: ModelShape, junior: ModelShape | None, settings
 POOL_HEADROOM = 0.05  # of the device, left free beside a paged pool sized to what fits (7 GiB of an H200)
 
 
-def plan_kv_pool(engine, estimate: MemoryEstimate, capacity: int) -> str | None:
-    """Size a paged engine's KV pool (``FastEngine(kv_cache="paged")``) against the device, and say
-    so: a pool the run left unsized defaults to the slot caches' size; when that does not fit,
-    it gets the positions that do (admission then waits for free pages instead of the rollout
-    running out of memory). ``estimate`` is updated. None for engines without a paged pool."""
-    if getattr(engine, "kv_cache", None) != "paged":
-        return None
+def kv_budget(estimate: MemoryEstimate, capacity: int | None) -> KVBudget:
+    """What the estimate gives the rollout phase's KV caches, for the engine to size its own
+    (``RolloutEngine.plan_kv_cache``); ``capacity``: the device's bytes, of which ``POOL_HEADROOM``
+    stays free (None: no device to fit)."""
+    per_token = max(estimate.kv_bytes_per_token, 1)
     # a pool sized to fill the estimate exactly would leave nothing for what it does not count
     # (the allocator's fragmentation, the graphs of a larger batch ladder): keep a share free
-    fit = estimate.kv_tokens_that_fit(int(capacity * (1 - POOL_HEADROOM)))
-    tokens = estimate.rollout["KV caches"] // max(estimate.kv_bytes_per_token, 1)
-    sized_by = "engine.kv_cache_tokens / kv_cache_gib"
-    if engine.kv_cache_tokens is None and engine.kv_cache_gib is None:
-        sized_by = "rollout sequences x (prompt + max_new_tokens)"
-        if 0 < fit < tokens:
-            engine.kv_cache_tokens = tokens = fit
-            estimate.rollout["KV caches"] = fit * estimate.kv_bytes_per_token
-            sized_by = "what fits the GPU"
-    return (f"paged KV pool: {tokens:,} token positions, {estimate.rollout['KV caches'] / GIB:.1f} GiB ({sized_by}); "
-            f"{fit:,} fit beside the rest of the rollout phase")
+    fit = estimate.kv_tokens_that_fit(int(capacity * (1 - POOL_HEADROOM))) if capacity is not None else None
+    return KVBudget(estimate.rollout["KV caches"] // per_token, estimate.kv_bytes_per_token, fit)
+
+
+def estimate_module_memory(module, prompts_per_step: int | None = None, mixed_precision: bool | None = None,
+                           decode_dtype: torch.dtype | None = None, world: int | None = None) -> MemoryEstimate:
+    """A ``TandemModule``'s step, per GPU, from its models' shapes and settings (``estimate_run_memory``);
+    ``prompts_per_step``, ``mixed_precision`` and ``world`` (FSDP2 ranks) default to the data
+    module's and trainer's."""
+    trainer = module._trainer
+    return estimate_run_memory(
+        module.senior, module.junior, module.reference is not None, module.engine.rollout_dtype,
+        module.rollout_settings, module.update_settings, module.memory,
+        prompts_per_step or getattr(getattr(trainer, "datamodule", None), "batch_size", 1),
+        "mixed" in str(getattr(trainer, "precision", "32")) if mixed_precision is None else mixed_precision,
+        decode_dtype, *module.engine.kv_pool_size(), world=world or getattr(trainer, "world_size", 1),
+    )
+
+
+def plan_device_memory(module) -> MemoryEstimate:
+    """When fit starts on a GPU: the engine sizes its KV cache from the step's estimate (before its
+    setup), then the estimate counts what it chose, is logged, and is checked against the device
+    (``memory.check``)."""
+    properties = torch.cuda.get_device_properties(module.device)
+    if pool := module.rollouts.plan_kv_cache(kv_budget(estimate_module_memory(module), properties.total_memory)):
+        log.info(pool)
+    estimate = estimate_module_memory(module)
+    log.info("estimated peak GPU memory of a training step: %s", estimate.table())
+    if module.memory.check:
+        estimate.check(properties.total_memory, properties.name)
+    return estimate
 
 
 def estimate_run_memory(
