@@ -201,8 +201,8 @@ def time_engine(engine, prompts, policy, sampling, device, repeats: int) -> tupl
         sync(device)
         times.append(time.perf_counter() - start)
         assert int(out.lengths.min()) == sampling.max_new_tokens, "EOS must be ignored in the benchmark"
-    phases = engine.last_timing() if hasattr(engine, "last_timing") else None
-    return statistics.median(times), phases
+    timing = engine.last_timing()
+    return statistics.median(times), timing.as_dict() if timing is not None else None
 
 
 def time_hf_generate(model, prompts, sampling, device, repeats: int) -> float:
@@ -342,7 +342,7 @@ def useful_rows(args, part: str) -> list[dict]:
                         reset_peak_memory(device)
                         seconds, out = timed(lambda p, policy=policy: engine.generate(p, policy, sampling), prompts, device, repeats)
                         keep(row(continuous_name(layout, refill, policy_name, overlap), seconds, out,
-                                 {**engine.last_timing(), **peak_memory(device)}))
+                                 {**engine.last_timing().as_dict(), **peak_memory(device)}))
         engine.release()  # the next batch size sizes its own caches
     return rows
 

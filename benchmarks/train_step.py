@@ -579,18 +579,22 @@ def estimate_only(model_args: dict, trainer_args: dict, args, root: Path) -> Non
     device, rollouts in bf16 as on a GPU); with ``--devices N`` the senior sharded by FSDP2 over N
     GPUs, each rolling out its share of the prompts (``memory.estimate_step_memory``)."""
     from tandem_lit.training.distributed import rank_rows
-    from tandem_lit.training.memory import plan_kv_pool
+    from tandem_lit.training.memory import kv_budget
 
     with torch.device("meta"):
         module = build_module(model_args, "tandem", args, root)
         module.configure_model()
-    estimate = module.memory_estimate(
-        prompts_per_step=args.prompts, mixed_precision="mixed" in str(trainer_args.get("precision")),
-        decode_dtype=torch.bfloat16, world=args.devices,
-    )
+    def estimated():
+        return module.memory_estimate(
+            prompts_per_step=args.prompts, mixed_precision="mixed" in str(trainer_args.get("precision")),
+            decode_dtype=torch.bfloat16, world=args.devices,
+        )
+
+    estimate = estimated()
     where = f"each of {args.devices} GPUs (FSDP2)" if args.devices > 1 else "one GPU"
-    if pool := plan_kv_pool(module.engine, estimate, H200_BYTES):  # as fit start sizes it on the device
+    if pool := module.engine.plan_kv_cache(kv_budget(estimate, H200_BYTES)):  # as fit start sizes it on the device
         print(f"on an H200: {pool}")
+        estimate = estimated()
     print(f"estimate for {where}: {estimate.table()}")
     print(f"peak_gb={estimate.peak / GIB:.1f} fits_h200={estimate.peak <= H200_BYTES} devices={args.devices}")
     if args.devices > 1:  # what fit start refuses on several processes (distributed.check_several_processes)

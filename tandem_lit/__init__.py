@@ -10,9 +10,10 @@ import sys
 
 __version__ = "0.2.0"
 
-# Modules that moved when the package was split into training/, evaluation/, rollout/static/ and
-# models/ (0.2.0). Importing an old path fails with one line that names the new one, rather than
-# with a bare ModuleNotFoundError (or a second copy of the module under the old name).
+# Modules that moved: when the package was split into training/, evaluation/, rollout/static/ and
+# models/ (0.2.0), and since (the step's record beside the other rollout records). Importing an old
+# path fails with one line that names the new one, rather than with a bare ModuleNotFoundError (or
+# a second copy of the module under the old name).
 MOVED = {
     "tandem_lit.module": "tandem_lit.training.module (TandemModule: tandem_lit.training.TandemModule)",
     "tandem_lit.settings": "tandem_lit.training.settings",
@@ -25,7 +26,8 @@ MOVED = {
     "tandem_lit.forced_token": "tandem_lit.evaluation.forced_token",
     "tandem_lit.metrics": "tandem_lit.evaluation.metrics",
     "tandem_lit.language": "tandem_lit.evaluation.language",
-    "tandem_lit.results": "tandem_lit.evaluation.results",
+    "tandem_lit.results": "tandem_lit.rollout.result",
+    "tandem_lit.evaluation.results": "tandem_lit.rollout.result (RolloutResult: tandem_lit.rollout.RolloutResult)",
     "tandem_lit.logprobs": "tandem_lit.rollout.logprobs",
     "tandem_lit.tiny": "tandem_lit.models.tiny",
     "tandem_lit.rollout.fast": "tandem_lit.rollout.static (FastEngine: tandem_lit.rollout.FastEngine)",
@@ -38,7 +40,7 @@ MOVED = {
 class _MovedModules(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name in MOVED:
-            raise ModuleNotFoundError(f"{name} moved to {MOVED[name]} in tandem-lit 0.2.0", name=name)
+            raise ModuleNotFoundError(f"{name} moved to {MOVED[name]}", name=name)
         return None
 
 

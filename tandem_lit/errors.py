@@ -1,6 +1,7 @@
 """Errors a user can fix: each names the problem and the fix. ``tandem-lit`` prints them as one
 line (set ``TANDEM_LIT_TRACEBACK=1`` for the traceback); anything else is a bug and keeps its
-traceback."""
+traceback. Every such class lives here, whichever layer raises it, so that a caller finds them
+in one place (the modules that raise them import them from here)."""
 
 
 class TandemLitError(Exception):
@@ -33,3 +34,35 @@ class LogprobGapError(TandemLitError):
 
 class MissingDependencyError(TandemLitError, ImportError):
     """An optional dependency the chosen component needs is not installed."""
+
+
+class TrainingStalledError(TandemLitError, RuntimeError):
+    """Training cannot make progress with these settings (steps keep making no update)."""
+
+
+class MemoryBudgetError(ConfigError):
+    """The estimated peak memory of a step exceeds the device's."""
+
+
+class TokenizerMismatchError(ConfigError):
+    """Senior and junior tokenizers differ where a shared one is required."""
+
+
+class WeightSyncError(ConfigError):
+    """The named tensors do not fit the engine's rollout model."""
+
+
+class AuthorshipError(TandemLitError, ValueError):
+    """Authorship is missing or malformed: refuse to compute a loss (fail closed)."""
+
+
+class MissingColumnError(DataError):
+    """The dataset rows lack a field the verifier needs."""
+
+
+class JudgeAuthError(ConfigError):
+    """The judge server rejected the API key: every later request would fail the same way."""
+
+
+class SandboxRefusedError(ConfigError):
+    """The sandbox cannot apply a protection on this machine, and it was not allowed to be missing."""

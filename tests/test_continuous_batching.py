@@ -1,7 +1,7 @@
 """Per-sequence token budgets and continuous batching.
 
 Every engine honours ``PromptBatch.max_new_tokens`` (a row that reaches its budget is truncated,
-as at ``sampling.max_new_tokens``). FastEngine with ``max_batch`` below the number of rows decodes
+as at ``sampling.max_new_tokens``). FastEngine set up with ``max_batch`` below the number of rows decodes
 them as a queue (freed slots refilled, live rows compacted into smaller batches): its rollouts
 must equal the reference engine's and the all-at-once FastEngine's whatever the admission order,
 so a sequence depends on its own seed only, never on its slot or its neighbours.
@@ -137,9 +137,9 @@ def assert_same(a, b, logprobs=True):
 
 def three_engines(senior, junior, tokenizer):
     made = [HFEngine(rollout_dtype="float32"), FastEngine(kernels="torch", rollout_dtype="float32"),
-            FastEngine(kernels="torch", rollout_dtype="float32", max_batch=3, check_every=2)]
-    for engine in made:
-        engine.setup(senior, junior, tokenizer)
+            FastEngine(kernels="torch", rollout_dtype="float32", check_every=2)]
+    for engine, max_batch in zip(made, (None, None, 3)):
+        engine.setup(senior, junior, tokenizer, max_batch=max_batch)
     return made
 
 
@@ -158,12 +158,12 @@ def check_queue(engines, prompts, policy, sampling, compacts=True):
         continuous.overlap_prefill = "off"
     assert_same(got, want)
     beside = continuous.last_timing()
-    assert beside["refills"] > 0 and beside["prefill_beside_s"] > 0  # refills ran beside a chunk
+    assert beside.refills > 0 and beside.prefill_beside_s > 0  # refills ran beside a chunk
     assert_same(continuous.generate(prompts, policy, sampling), want)
     timing = continuous.last_timing()
-    assert timing["refills"] > 0 and (timing["compactions"] > 0 or not compacts)  # slots were reused and rows moved
-    assert timing["prefill_beside_s"] == 0
-    assert 0 < timing["busy_slot_fraction"] <= 1
+    assert timing.refills > 0 and (timing.compactions > 0 or not compacts)  # slots were reused and rows moved
+    assert timing.prefill_beside_s == 0
+    assert 0 < timing.busy_slot_fraction <= 1
     return got
 
 
@@ -197,8 +197,8 @@ def test_admission_order_changes_nothing(tokenizer, plain_pair, order):
     """Permute the rows (so each sequence lands in another slot, next to other neighbours, admitted
     at another step), generate, un-permute: the same rollouts."""
     senior, junior = plain_pair
-    engine = FastEngine(kernels="torch", rollout_dtype="float32", max_batch=4, check_every=3)
-    engine.setup(senior, junior, tokenizer)
+    engine = FastEngine(kernels="torch", rollout_dtype="float32", check_every=3)
+    engine.setup(senior, junior, tokenizer, max_batch=4)
     prompts = queue_batch(tokenizer, JUNIOR_PROMPTS)
     for policy in (SoloHandoff("senior"), TokenHandoff(p=0.5), ParagraphHandoff(p=0.5, max_span=4)):
         straight = engine.generate(prompts, policy, SAMPLED)
@@ -241,25 +241,25 @@ def test_refills_put_off_to_the_last_moment_change_nothing(tokenizer, plain_pair
 
     senior, junior = plain_pair
     prompts = queue_batch(tokenizer, JUNIOR_PROMPTS)
-    eager = FastEngine(kernels="torch", rollout_dtype="float32", max_batch=3, check_every=2, refill="eager")
-    eager.setup(senior, junior, tokenizer)
+    eager = FastEngine(kernels="torch", rollout_dtype="float32", check_every=2, refill="eager")
+    eager.setup(senior, junior, tokenizer, max_batch=3)
     want = eager.generate(prompts, WordHandoff(p=0.5), SAMPLED)
-    eager_refills = eager.last_timing()["refills"]
+    eager_refills = eager.last_timing().refills
     monkeypatch.setattr(continuous, "RefillTimer", Patient)
-    patient = FastEngine(kernels="torch", rollout_dtype="float32", max_batch=3, check_every=2)
-    patient.setup(senior, junior, tokenizer)
+    patient = FastEngine(kernels="torch", rollout_dtype="float32", check_every=2)
+    patient.setup(senior, junior, tokenizer, max_batch=3)
     assert_same(patient.generate(prompts, WordHandoff(p=0.5), SAMPLED), want)
     timing = patient.last_timing()
-    assert 0 < timing["refills"] < eager_refills
-    assert timing["refilled_sequences"] == prompts.batch_size - 3  # every sequence past the first batch
+    assert 0 < timing.refills < eager_refills
+    assert timing.refilled_sequences == prompts.batch_size - 3  # every sequence past the first batch
 
 
 def test_a_refilled_slot_forgets_its_last_sequence(tokenizer, plain_pair):
     """One slot, sequences one after another: each must equal the same sequence decoded alone
     (a stale KV entry, valid flag, recurrent state or counter would change it)."""
     senior, junior = plain_pair
-    engine = FastEngine(kernels="torch", rollout_dtype="float32", max_batch=1, check_every=1)
-    engine.setup(senior, junior, tokenizer)
+    engine = FastEngine(kernels="torch", rollout_dtype="float32", check_every=1)
+    engine.setup(senior, junior, tokenizer, max_batch=1)
     prompts = queue_batch(tokenizer)
     together = engine.generate(prompts, WordHandoff(p=0.5), SAMPLED)
     for row in (2, 5, 9):
@@ -281,9 +281,9 @@ def test_continuous_batching_on_cuda_graphs_and_triton_kernels_equals_all_at_onc
     kernels, refills between replays and compaction of both models' caches (float32, so the
     comparison is exact up to kernel order)."""
     senior, junior = cuda_pair(len(tokenizer), pair)
-    together, queued = FastEngine(rollout_dtype="float32"), FastEngine(rollout_dtype="float32", max_batch=3, check_every=2)
-    for engine in (together, queued):
-        engine.setup(senior, junior, tokenizer)
+    together, queued = FastEngine(rollout_dtype="float32"), FastEngine(rollout_dtype="float32", check_every=2)
+    for engine, max_batch in ((together, None), (queued, 3)):
+        engine.setup(senior, junior, tokenizer, max_batch=max_batch)
     prompts = queue_batch(tokenizer, JUNIOR_PROMPTS).to("cuda")
     for policy, sampling, overlap in itertools.product((SoloHandoff("senior"), WordHandoff(p=0.5)), (GREEDY, SAMPLED),
                                                         ("on", "off")):
@@ -292,8 +292,8 @@ def test_continuous_batching_on_cuda_graphs_and_triton_kernels_equals_all_at_onc
         want = together.generate(prompts, policy, sampling)
         got = queued.generate(prompts, policy, sampling)
         timing = queued.last_timing()
-        assert timing["refills"] > 0 and (timing["prefill_beside_s"] > 0) == (overlap == "on")
-        assert timing["compactions"] > 0 or overlap == "on"
+        assert timing.refills > 0 and (timing.prefill_beside_s > 0) == (overlap == "on")
+        assert timing.compactions > 0 or overlap == "on"
         # float32 GEMMs of other batch sizes round differently: a rare near-tie may break the
         # other way and change the rest of that row, so rows are compared whole, and most must match
         same = [i for i in range(len(want.texts)) if torch.equal(got.completion_ids[i], want.completion_ids[i])]
@@ -305,9 +305,8 @@ def test_continuous_batching_on_cuda_graphs_and_triton_kernels_equals_all_at_onc
 # ------------------------------------------------------------------------------- paged KV cache
 
 def paged(senior, junior, tokenizer, max_batch=3, check_every=2, **pool):
-    engine = FastEngine(kernels="torch", rollout_dtype="float32", max_batch=max_batch, check_every=check_every,
-                        kv_cache="paged", **pool)
-    engine.setup(senior, junior, tokenizer)
+    engine = FastEngine(kernels="torch", rollout_dtype="float32", check_every=check_every, kv_cache="paged", **pool)
+    engine.setup(senior, junior, tokenizer, max_batch=max_batch)
     return engine
 
 
@@ -325,7 +324,7 @@ def test_the_paged_cache_gives_the_rollouts_of_the_slot_cache(tokenizer, plain_p
     engines[2] = paged(senior, junior, tokenizer, kv_page_size=3)
     check_queue(engines, queue_batch(tokenizer, JUNIOR_PROMPTS), POLICIES[policy], sampling)
     timing = engines[2].last_timing()
-    assert timing["preemptions"] == 0 and 0 < timing["kv_pool_peak_fraction"] < 1
+    assert timing.preemptions == 0 and 0 < timing.kv_pool_peak_fraction < 1
 
 
 @pytest.mark.parametrize("prefill_tokens", [16384, 1], ids=["one-prefill", "a-prefill-a-row"])
@@ -339,8 +338,8 @@ def test_a_pool_too_small_for_the_batch_preempts_and_changes_nothing(tokenizer, 
     engines[2] = paged(senior, junior, tokenizer, prefill_tokens=prefill_tokens, **SMALL_POOL)
     check_queue(engines, queue_batch(tokenizer, JUNIOR_PROMPTS), POLICIES[policy], SAMPLED)
     timing = engines[2].last_timing()
-    assert timing["preemptions"] > 0 and timing["kv_pool_peak_fraction"] == 1.0
-    assert timing["resumed_tokens"] > 0  # not decoded again from the prompt
+    assert timing.preemptions > 0 and timing.kv_pool_peak_fraction == 1.0
+    assert timing.resumed_tokens > 0  # not decoded again from the prompt
 
 
 def test_resumed_prefill_inputs_append_each_rows_tokens_after_its_prompt():
@@ -362,15 +361,15 @@ def test_paged_rollouts_do_not_depend_on_admission_order(tokenizer, plain_pair, 
     """Shuffled rows land in other slots and other pages, next to other neighbours, preempted at
     other times: the same rollouts as the slot cache in the original order."""
     senior, junior = plain_pair
-    slots = FastEngine(kernels="torch", rollout_dtype="float32", max_batch=4, check_every=3)
-    slots.setup(senior, junior, tokenizer)
+    slots = FastEngine(kernels="torch", rollout_dtype="float32", check_every=3)
+    slots.setup(senior, junior, tokenizer, max_batch=4)
     pages = paged(senior, junior, tokenizer, max_batch=4, check_every=3, **SMALL_POOL)
     prompts = queue_batch(tokenizer, JUNIOR_PROMPTS)
     back = torch.tensor(order).argsort()
     for policy in (SoloHandoff("senior"), TokenHandoff(p=0.5)):
         want = slots.generate(prompts, policy, SAMPLED)
         assert_same(pages.generate(prompts.select(order), policy, SAMPLED).select(back), want)
-        assert pages.last_timing()["preemptions"] > 0
+        assert pages.last_timing().preemptions > 0
 
 
 @pytest.mark.parametrize("pair", ["hybrid-hybrid", "hybrid-llama"])
@@ -386,8 +385,8 @@ def test_paged_cache_on_qwen35_hybrid_pairs(tokenizer, pair):
         for policy in (SoloHandoff("senior"), WordHandoff(p=0.5)):
             check_queue(engines, queue_batch(tokenizer), policy, SAMPLED, compacts=not preempts)
             timing = engines[2].last_timing()
-            assert (timing["preemptions"] > 0) == preempts
-            assert (timing["resumed_tokens"] > 0) == preempts  # the preempted went on from their own tokens
+            assert (timing.preemptions > 0) == preempts
+            assert (timing.resumed_tokens > 0) == preempts  # the preempted went on from their own tokens
 
 
 def test_one_slot_and_a_tiny_pool_reuse_pages_cleanly(tokenizer, plain_pair):
@@ -433,7 +432,7 @@ def test_the_pool_is_sized_in_gib_from_both_models_bytes_per_token(tokenizer, pl
     assert per_token == 4 * (2 * 2 * 2 * 16 + 1 * 2 * 2 * 8)  # float32; (layers x K,V x kv heads x head dim) each
     pool = engine.models["senior"].k_cache[0]  # [pages, KV, page, D]
     assert (pool.shape[0], pool.shape[2]) == (int(0.001 * 1024**3 // (8 * per_token)), 8)
-    assert engine.last_timing()["kv_pool_tokens"] == (pool.shape[0] - 1) * 8  # the scratch page aside
+    assert engine.last_timing().kv_pool_tokens == (pool.shape[0] - 1) * 8  # the scratch page aside
 
 
 @pytest.mark.gpu
@@ -443,18 +442,18 @@ def test_paged_cache_on_cuda_graphs_and_triton_kernels_equals_the_slot_cache(tok
     """The GPU path: block table as a static tensor of the captured graphs, the Triton kernels
     reading pages (float32: exact up to kernel order), refills, preemptions and compaction."""
     senior, junior = cuda_pair(len(tokenizer), pair)
-    slots = FastEngine(rollout_dtype="float32", max_batch=3, check_every=2)
-    pages = FastEngine(rollout_dtype="float32", max_batch=3, check_every=2, kv_cache="paged", **pool)
+    slots = FastEngine(rollout_dtype="float32", check_every=2)
+    pages = FastEngine(rollout_dtype="float32", check_every=2, kv_cache="paged", **pool)
     for engine in (slots, pages):
-        engine.setup(senior, junior, tokenizer)
+        engine.setup(senior, junior, tokenizer, max_batch=3)
     prompts = queue_batch(tokenizer, JUNIOR_PROMPTS).to("cuda")
     for policy in (SoloHandoff("senior"), WordHandoff(p=0.5)):
         for sampling in (GREEDY, SAMPLED):
             want = slots.generate(prompts, policy, sampling)
             got = pages.generate(prompts, policy, sampling)
             timing = pages.last_timing()
-            assert timing["refills"] > 0 and timing["compactions"] > 0
-            assert (timing["preemptions"] > 0) == (pool is SMALL_POOL)
+            assert timing.refills > 0 and timing.compactions > 0
+            assert (timing.preemptions > 0) == (pool is SMALL_POOL)
             # as above: a float32 near-tie may break the other way in another batch composition
             same = [i for i in range(len(want.texts)) if torch.equal(got.completion_ids[i], want.completion_ids[i])]
             assert len(same) >= len(want.texts) - 1, f"only rows {same} match"

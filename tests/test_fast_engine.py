@@ -202,10 +202,14 @@ def test_last_timing_splits_prefill_and_decode(tokenizer, device):
     # the host looks at the stop flags every 16 steps (check_every), so all 12 steps run
     out = fast.generate(prompt_batch(tokenizer, device), SoloHandoff(), SamplingConfig(temperature=1.0, max_new_tokens=12))
     timing = fast.last_timing()
-    assert timing["decode_steps"] == 12 and int(out.lengths.max()) <= 12
-    assert timing["prefill_s"] > 0 and timing["decode_s"] > 0
-    assert timing["decode_step_ms"] == pytest.approx(1000 * timing["decode_s"] / 12)
-    assert timing["setup_s"] > 0  # the first call allocates the caches (and captures on GPU)
+    assert timing.decode_steps == 12 and int(out.lengths.max()) <= 12
+    assert timing.prefill_s > 0 and timing.decode_s > 0
+    assert timing.decode_step_ms == pytest.approx(1000 * timing.decode_s / 12)
+    assert timing.setup_s > 0  # the first call allocates the caches (and captures on GPU)
+    # a rollout phase of several calls sums them; what an engine does not report stays unreported
+    summed = timing + timing
+    assert summed.calls == 2 and summed.decode_steps == 24 and summed.busy_slot_fraction == 2 * timing.busy_slot_fraction
+    assert timing.preemptions is None and summed.preemptions is None  # slot caches: no pool
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -221,7 +225,7 @@ def test_release_frees_the_caches_and_the_next_rollout_is_the_same(tokenizer, de
     assert all(not m.k_cache and not m.v_cache for m in fast.models.values())
     again = fast.generate(prompts, WordHandoff(0.5), sampling)
     assert_same_rollouts(first, again)
-    assert fast.last_timing()["setup_s"] > 0  # re-allocated (and re-captured on GPU)
+    assert fast.last_timing().setup_s > 0  # re-allocated (and re-captured on GPU)
 
 
 @pytest.mark.gpu

@@ -31,9 +31,8 @@ def module_with(junior, small_tok, senior):
         test_sampling=SamplingConfig(temperature=0.0, max_new_tokens=BUDGET, n=2),
         test_forced_token=True, micro_batch_size=3, prompt_format=PromptFormat(chat_template=False),
     )
-    module.senior, module.junior = senior, junior
-    module.tokenizer = module.junior_tokenizer = small_tok
     module.engine = default_engine(senior, junior)
+    module.bind_models(senior, junior, small_tok, small_tok)
     return module
 
 

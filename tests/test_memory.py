@@ -66,7 +66,7 @@ def test_a_paged_pool_is_counted_and_sized_to_what_fits():
     """A paged engine's KV caches are its pool; an unsized pool whose slot-sized default does not
     fit the GPU gets the positions that do (both models' K/V per position), a sized one is kept."""
     from tandem_lit.rollout.static import FastEngine
-    from tandem_lit.training.memory import plan_kv_pool
+    from tandem_lit.training.memory import kv_budget
 
     settings = StepSettings(rollout_sequences=128, sequence_tokens=3128, micro_batch_tokens=8048, rollout_bytes=2,
                             rollout_copy=True, junior_bytes=2, offload_optimizer=True)
@@ -75,15 +75,17 @@ def test_a_paged_pool_is_counted_and_sized_to_what_fits():
     assert slots.kv_bytes_per_token == 2 * 147_456 and slots.rollout["KV caches"] == 128 * 3128 * 2 * 147_456
     pooled = estimate_step_memory(QWEN3_4B, junior, StepSettings(**{**vars(settings), "kv_pool_tokens": 100_000}))
     assert pooled.rollout["KV caches"] == 100_000 * 2 * 147_456
-    assert plan_kv_pool(FastEngine(), slots, 141 * GIB) is None  # slot caches: nothing to plan
+    assert FastEngine().plan_kv_cache(kv_budget(slots, 141 * GIB)) is None  # slot caches: nothing to plan
     engine = FastEngine(kv_cache="paged")
+    assert engine.plan_kv_cache(kv_budget(slots, None)) is None  # no device to fit (a CPU run): left as set
     usable = int(141 * GIB * 0.95)  # 5% of the device left free: what the estimate does not count
     fit = (usable - (sum(slots.rollout.values()) - 128 * 3128 * 2 * 147_456)) // (2 * 147_456)
-    line = plan_kv_pool(engine, slots, 141 * GIB)
+    line = engine.plan_kv_cache(kv_budget(slots, 141 * GIB))
     assert engine.kv_cache_tokens == fit < 128 * 3128 and "what fits the GPU" in line
-    assert sum(slots.rollout.values()) <= usable  # the rollout phase now fits, with room to spare
+    resized = estimate_step_memory(QWEN3_4B, junior, StepSettings(**{**vars(settings), "kv_pool_tokens": fit}))
+    assert sum(resized.rollout.values()) <= usable  # the rollout phase now fits, with room to spare
     sized = FastEngine(kv_cache="paged", kv_cache_gib=20.0)
-    assert "kv_cache_gib" in plan_kv_pool(sized, pooled, 141 * GIB) and sized.kv_cache_tokens is None
+    assert "kv_cache_gib" in sized.plan_kv_cache(kv_budget(pooled, 141 * GIB)) and sized.kv_cache_tokens is None
 
 
 def test_hybrid_layers_count_what_their_torch_fallback_saves():

@@ -14,15 +14,15 @@ import pytest
 import torch
 
 from tandem_lit.errors import ConfigError
-from tandem_lit.evaluation.results import RolloutResult
 from tandem_lit.models import varlen_attention
 from tandem_lit.objectives.base import ObjectiveInputs
 from tandem_lit.objectives.grpo import GRPO
 from tandem_lit.rollout import logprobs
 from tandem_lit.rollout.logprobs import completion_logprobs
 from tandem_lit.rollout.record import Author, Rollout
+from tandem_lit.rollout.result import RolloutResult
 from tandem_lit.rollout.sampling import SamplingConfig
-from tandem_lit.training.memory import pack_by_tokens
+from tandem_lit.training.passes import pack_by_tokens
 from tandem_lit.training.settings import MemorySettings, UpdateSettings
 from tandem_lit.training.update_phase import UpdatePhase
 from tandem_lit.verifiers.base import Grade

@@ -109,9 +109,8 @@ def tiny_module(junior_format, small_tok, small_model, other_small_model, **extr
         junior_prompt_format=junior_format, test_sampling=SamplingConfig(temperature=1.0, max_new_tokens=16, n=2, seed=1),
         **extra,
     )
-    module.senior, module.junior = small_model, other_small_model
-    module.tokenizer = module.junior_tokenizer = small_tok
     module.engine = default_engine(small_model, other_small_model)
+    module.bind_models(small_model, other_small_model, small_tok, small_tok)
     return module
 
 

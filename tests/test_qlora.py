@@ -63,7 +63,7 @@ def test_qlora_trains_on_gpu_and_the_fast_engine_decodes_the_merged_dequantised_
         """After the last update, before Lightning moves the module back to the host."""
 
         def on_train_end(self, trainer, module):
-            engine = module.ready_engine()  # the copy reloaded after the last update
+            engine = module.rollouts.ready()  # the copy reloaded after the last update
             assert engine.decodes_copy and next(engine.senior.parameters()).dtype == torch.bfloat16
             # one projection of the copy = dequantised 4-bit base + scale * B @ A, as trained now
             layer = module.senior.get_base_model().model.layers[0].self_attn.q_proj

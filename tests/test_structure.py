@@ -125,12 +125,19 @@ def test_the_top_level_holds_only_what_every_layer_uses():
     ("tandem_lit.rollout.fast", "tandem_lit.rollout.static"),
     ("tandem_lit.eval_steps", "tandem_lit.evaluation.steps"),
     ("tandem_lit.tiny", "tandem_lit.models.tiny"),
+    ("tandem_lit.evaluation.results", "tandem_lit.rollout.result"),
 ])
 def test_an_old_import_path_fails_with_one_line_naming_the_new_one(old, new):
     with pytest.raises(ModuleNotFoundError) as info:
         importlib.import_module(old)
     message = str(info.value)
     assert "\n" not in message and new in message
+
+
+def test_a_moved_name_fails_with_one_line_naming_its_new_place():
+    with pytest.raises(ImportError) as info:
+        from tandem_lit.evaluation import RolloutResult  # noqa: F401
+    assert "\n" not in str(info.value) and "tandem_lit.rollout.RolloutResult" in str(info.value)
 
 
 def test_short_names_still_import_from_their_families():

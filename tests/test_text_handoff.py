@@ -148,20 +148,19 @@ def test_legibility_reads_the_text_in_the_partners_own_tokens(pair):
 
     senior, senior_tok, junior, junior_tok = pair
     module = tiny_tandem_module(verifier=GSM8KVerifier(), objective=GRPO(), prompt_format=PromptFormat(chat_template=False))
-    module.senior, module.tokenizer = senior, senior_tok
     engine = HFEngine()
     engine.setup(senior, None, senior_tok)
     s = senior_tok(PROMPTS, padding=True, padding_side="left", return_tensors="pt")
     solo = engine.generate(PromptBatch(s.input_ids, s.attention_mask, sequence_seeds(0, 0, len(PROMPTS))), SoloHandoff(),
                            SamplingConfig(temperature=1.0, max_new_tokens=20))
-    module.junior, module.junior_tokenizer = senior, senior_tok  # the senior reading its own text
+    module.bind_models(senior, senior, senior_tok, senior_tok)  # the senior reading its own text
     as_text = module.partner_tokens(solo, PROMPTS)  # the text in its tokens (no non-text specials)
     own_nll, own_tokens, chars = module.partner_cross_entropy(as_text, PROMPTS)
-    module.junior, module.junior_tokenizer = junior, junior_tok  # the same function, other token ids
+    module.bind_models(senior, junior, senior_tok, junior_tok)  # the same function, other token ids
     assert module.partner_has_own_tokenizer()
     nll, tokens, partner_chars = module.partner_cross_entropy(solo, PROMPTS)
     assert tokens == own_tokens and partner_chars == chars == sum(len(t) for t in solo.texts)
     assert nll == pytest.approx(own_nll, rel=1e-4)
-    module.junior_tokenizer = senior_tok  # the old behaviour: the senior's ids, fed to the permuted junior
+    module.bind_models(senior, junior, senior_tok, senior_tok)  # the old behaviour: the senior's ids, fed to the permuted junior
     wrong, _, _ = module.partner_cross_entropy(solo, PROMPTS)
     assert wrong != pytest.approx(own_nll, rel=1e-2)

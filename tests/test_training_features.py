@@ -8,7 +8,6 @@ import dataclasses
 import json
 import math
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import lightning as L
@@ -18,14 +17,13 @@ from conftest import tiny_tandem_module
 
 from tandem_lit.cli import build_cli, main
 from tandem_lit.data.base import PromptDataModule
-from tandem_lit.errors import ConfigError, TandemLitError
+from tandem_lit.errors import ConfigError, TandemLitError, TrainingStalledError
 from tandem_lit.models import LoraSettings, ModelSource
 from tandem_lit.objectives import GRPO, ObjectiveInputs
 from tandem_lit.rollout import Author, SamplingConfig, TokenHandoff, WordHandoff
 from tandem_lit.rollout.handoff import TokenClasses
 from tandem_lit.rollout.static import FastEngine
 from tandem_lit.training import DynamicSampling, OverlongPolicy, TandemModule
-from tandem_lit.training.settings import TrainingStalledError
 from tandem_lit.verifiers.base import Grade, Verifier
 
 pytestmark = [
@@ -371,11 +369,10 @@ def test_fewer_fitting_prompts_than_processes_is_an_idle_step_with_its_own_error
     """On W processes a step trains a multiple of W of the prompts that fit (docs/distributed.md);
     the two-process runs of tests/test_distributed_sampling.py reach the other stop lines."""
     module = tandem_module(max_prompt_tokens=20, max_idle_steps=2)
-    module._trainer = SimpleNamespace(world_size=2)
-    module.count_idle_step(True, fitting=1)  # the first idle step passes
+    module.idle_steps.count(True, fitting=1, world=2)  # the first idle step passes
     with pytest.raises(TrainingStalledError, match="fewer than 2 prompts of each of the last 2 batches fit "
                                                    "rollout.max_prompt_tokens=20, and the 2 processes train equal shares"):
-        module.count_idle_step(True, fitting=1)
+        module.idle_steps.count(True, fitting=1, world=2)
 
 
 # ------------------------------------------------------------------------------- span limit

@@ -272,7 +272,7 @@ def test_greedy_rollouts_are_hf_engines(stand_in_vllm, tokenizer):
         greedy = SamplingConfig(temperature=0.0, max_new_tokens=20)
         assert_same_rollouts(reference.generate(prompts, policy, greedy), engine.generate(prompts, policy, greedy))
     timing = engine.last_timing()
-    assert {"setup_s", "prefill_s", "decode_s", "decode_steps", "prompt_width"} <= timing.keys()
+    assert {"setup_s", "prefill_s", "decode_s", "decode_steps", "prompt_width"} <= timing.as_dict().keys()
 
 
 def test_rows_end_at_an_end_token_or_their_own_budget(stand_in_vllm, tokenizer):
@@ -500,9 +500,12 @@ def test_kv_cache_plan_is_the_memory_plans_kv_line(stand_in_vllm):
         sampling=SamplingConfig(temperature=0.0, max_new_tokens=32, n=2),
         engine=VLLMEngine(kv_cache_gib="plan", rollout_dtype="float32"),
     )
+    from tandem_lit.training.memory import kv_budget
+
     module.configure_model()
-    engine = module.ready_engine()
     planned = module.memory_estimate().rollout["KV caches"]
+    module.rollouts.plan_kv_cache(kv_budget(module.memory_estimate(), None))  # as fit starts on a GPU
+    engine = module.rollouts.ready()
     # min(rollout.batch_size 8, 1 prompt (no data module) x n 2) = 2 sequences x (64 + 32) tokens
     # x the tiny senior's K and V per token, float32
     assert planned == 2 * (64 + 32) * module.engine.senior.config.num_hidden_layers * 2 * 4 * (

@@ -22,10 +22,10 @@ from typing import Any
 import torch
 
 from tandem_lit.errors import ConfigError
-from tandem_lit.evaluation.results import RolloutResult
 from tandem_lit.rollout.handoff import SoloHandoff
 from tandem_lit.rollout.logprobs import completion_top_tokens
 from tandem_lit.rollout.record import PromptBatch
+from tandem_lit.rollout.result import RolloutResult
 
 
 @dataclass
@@ -78,8 +78,8 @@ def continue_after(module, solo: RolloutResult, forced: list[tuple[int, int, int
         return []
     rollout, tokenizer = solo.rollout, module.tokenizer
     budget = module.evaluation.test_sampling.max_new_tokens
-    engine = module.ready_engine()
-    end_ids = set(getattr(engine, "eos_token_ids", [tokenizer.eos_token_id]))
+    engine = module.rollouts.ready()
+    end_ids = set(engine.eos_token_ids)
     prefixes, prompts = [], []
     for sample, position, token in forced:
         prompt = rollout.prompt_ids[sample][rollout.prompt_mask[sample].bool()].tolist()

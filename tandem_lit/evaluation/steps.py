@@ -30,10 +30,10 @@ from tandem_lit.evaluation.report import (
     summarize,
     write_report,
 )
-from tandem_lit.evaluation.results import RolloutResult
 from tandem_lit.rollout.handoff import HandoffPolicy, SoloHandoff
 from tandem_lit.rollout.logprobs import completion_logprobs
 from tandem_lit.rollout.record import Author, Rollout
+from tandem_lit.rollout.result import RolloutResult
 from tandem_lit.verifiers.base import label_means
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ class EvaluationSteps:
 
     def on_validation_epoch_start(self) -> None:
         self._eval_totals: dict[str, list[float]] = {}
-        self.ready_engine()  # every rank at once: with FSDP, filling the rollout copy is a collective
+        self.rollouts.ready()  # every rank at once: with FSDP, filling the rollout copy is a collective
 
     def validation_step(self, batch: list[dict[str, Any]], batch_idx: int) -> None:
         self.evaluate_share(batch, batch_idx, self._eval_totals)
@@ -114,7 +114,7 @@ class EvaluationSteps:
     def on_train_start(self) -> None:
         if not self.evaluation.at_start or self.global_step > 0 or not self.trainer.val_dataloaders:
             return
-        self.ready_engine()
+        self.rollouts.ready()
         totals: dict[str, list[float]] = {}
         for index, rows in enumerate(self.trainer.val_dataloaders):
             self.evaluate_share(rows, index, totals)

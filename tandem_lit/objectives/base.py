@@ -22,7 +22,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from tandem_lit.errors import ConfigError, TandemLitError
+from tandem_lit.errors import AuthorshipError, ConfigError
 from tandem_lit.objectives.mismatch import geometric_log_ratio, senior_log_ratio, sequence_log_ratio
 from tandem_lit.rollout.record import Author
 
@@ -31,10 +31,6 @@ RankSum = Callable[[list[float]], list[float]]
 TisLevel = Literal["token", "sequence"]
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-
-
-class AuthorshipError(TandemLitError, ValueError):
-    """Authorship is missing or malformed: refuse to compute a loss (fail closed)."""
 
 
 @dataclass

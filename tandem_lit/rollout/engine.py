@@ -16,12 +16,13 @@ from __future__ import annotations
 import contextlib
 import inspect
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tandem_lit.errors import ConfigError
+from tandem_lit.errors import ConfigError, TokenizerMismatchError
 from tandem_lit.rollout.decoder import TandemDecoder
 from tandem_lit.rollout.handoff import HandoffPolicy, TokenClasses
 from tandem_lit.rollout.record import Author, PromptBatch, Rollout
@@ -35,10 +36,6 @@ from tandem_lit.rollout.weights import (
     rollout_dtype,
     rollout_named_tensors,
 )
-
-
-class TokenizerMismatchError(ConfigError):
-    """Senior and junior tokenizers differ where a shared one is required."""
 
 
 def check_shared_tokenizer(senior_tokenizer, junior_tokenizer) -> None:
@@ -60,6 +57,12 @@ def check_shared_tokenizer(senior_tokenizer, junior_tokenizer) -> None:
             f"senior and junior tokenizers end sequences with different tokens "
             f"({senior_tokenizer.eos_token_id} vs {junior_tokenizer.eos_token_id}). {fix}"
         )
+
+
+def check_max_batch(max_batch: int | None) -> int | None:
+    if max_batch is not None and max_batch < 1:
+        raise ConfigError(f"max_batch (rollout.batch_size) must be >= 1, or None for all rows at once, got {max_batch}")
+    return max_batch
 
 
 def end_token_ids(tokenizer, model: nn.Module | None = None) -> list[int]:
@@ -91,40 +94,112 @@ def eval_mode(*models: nn.Module | None):
             m.train(was_training)
 
 
-class RolloutEngine(ABC):
-    """Generates tandem rollouts. ``setup`` binds the models once; ``generate`` runs a batch.
+@dataclass
+class EngineTiming:
+    """Where ``generate`` calls spent their time. An engine reports one call (``calls`` 1); ``+``
+    sums calls, so a rollout phase of several calls is one ``EngineTiming`` too. Per-call ratios
+    and widths (``prompt_width``, ``busy_slot_fraction``, ``kv_pool_peak_fraction``) are summed
+    as well: divide by ``calls`` for their mean. None: not reported by this engine (the ones a
+    continuous-batching engine or its paged KV pool report)."""
 
-    ``senior`` is what the engine decodes (its rollout copy, or the trained model when that needs
-    no conversion); ``trained_senior`` is the model the optimiser updates. ``rollout_dtype``:
-    ``auto`` (bf16 on a GPU that has it, else the trained weights' dtype), ``bfloat16``,
-    ``float16``, ``float32``, or ``live`` (always decode the trained weights in place).
+    setup_s: float = 0.0  # cache allocation, graph capture, waking a sleeping engine
+    prefill_s: float = 0.0  # prefills the decode waited for (and any run beside a decode chunk)
+    decode_s: float = 0.0  # decode steps, prefills beside them included
+    decode_steps: int = 0
+    prompt_width: int = 0  # the widest padded prompt
+    calls: int = 1
+    # continuous batching (FastEngine): prefills run beside decode chunks (part of prefill_s),
+    # tokens written over the row-steps paid for, refills of freed rows and the sequences they
+    # admitted, compactions of live rows into a smaller captured batch
+    prefill_beside_s: float | None = None
+    busy_slot_fraction: float | None = None
+    refills: int | None = None
+    refilled_sequences: int | None = None
+    compactions: int | None = None
+    # a paged KV pool: sequences preempted when it filled, the response tokens they prefilled again
+    # to go on, the token positions it holds and the most of it held at once
+    preemptions: int | None = None
+    resumed_tokens: int | None = None
+    kv_pool_tokens: int | None = None
+    kv_pool_peak_fraction: float | None = None
+
+    @property
+    def decode_step_ms(self) -> float:
+        return 1000 * self.decode_s / max(self.decode_steps, 1)
+
+    def __add__(self, other: EngineTiming) -> EngineTiming:
+        def add(a, b):
+            return b if a is None else a if b is None else a + b
+
+        return EngineTiming(**{f.name: add(getattr(self, f.name), getattr(other, f.name)) for f in fields(self)})
+
+    def as_dict(self) -> dict[str, float]:
+        """The reported fields by name (and ``decode_step_ms``), for benchmark rows and logs."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        return {**out, "decode_step_ms": self.decode_step_ms}
+
+
+@dataclass
+class KVBudget:
+    """What a training run's memory plan gives the rollout phase's KV caches, handed to
+    ``RolloutEngine.plan_kv_cache`` once, before ``setup``."""
+
+    planned_tokens: int  # token positions the plan counts (rollout.batch_size sequences x their caps, or the engine's own pool)
+    bytes_per_token: int  # both models' K/V of one token position
+    fitting_tokens: int | None = None  # positions that fit the device beside the rest of the rollout phase (None: no device to fit)
+
+    @property
+    def planned_bytes(self) -> int:
+        return self.planned_tokens * self.bytes_per_token
+
+
+class RolloutEngine(ABC):
+    """Generates tandem rollouts: the contract between an engine and training.
+
+    An engine implements ``generate`` (abstract); everything else here has a default that serves
+    an engine without a cache of its own (``HFEngine``). Training uses exactly what is declared on
+    this class, and nothing else (``training.rollout_phase.RolloutPhase`` owns an engine's life):
+
+    - once per device: ``plan_kv_cache`` (a training run's KV budget, before setup), ``setup``
+      (binds the models and tokenizers, and ``max_batch`` = ``rollout.batch_size``);
+    - per rollout call: ``generate``, then ``last_timing``;
+    - after optimiser updates: ``load_weights`` when ``decodes_copy``; before the update: ``release``;
+    - read: ``senior`` (what the engine decodes: its rollout copy, or the trained model when that
+      needs no conversion), ``trained_senior`` (the model the optimiser updates), ``junior``,
+      ``tokenizer``, ``eos_token_ids``, ``pad_token_id``, ``sampled_vocab``, ``queues_rows``,
+      ``needs_partner_prompts``, ``rollout_dtype``, ``kv_pool_size``.
+
+    ``rollout_dtype``: ``auto`` (bf16 on a GPU that has it, else the trained weights' dtype),
+    ``bfloat16``, ``float16``, ``float32``, or ``live`` (always decode the trained weights in place).
     """
 
     senior: nn.Module
     trained_senior: nn.Module
     junior: nn.Module | None
     tokenizer: object
+    eos_token_ids: list[int]  # every token id that ends a completion (set by ``setup``)
+    pad_token_id: int  # what pads completions (set by ``setup``)
+    weights_version: int = 0  # ``load_weights`` calls since the senior was bound
     rollout_dtype: str = "auto"  # engines take it as an __init__ argument
     # True: one ``generate`` call may hold any number of rows (a step's whole batch); the engine
     # itself decodes at most ``max_batch`` of them at a time and refills freed room (FastEngine,
     # VLLMEngine). False: callers send at most ``max_batch`` rows per call (HFEngine).
     queues_rows: bool = False
+    # Sequences decoded at once: ``rollout.batch_size``, given to ``setup`` (None: every row of a call)
     max_batch: int | None = None
-    # True: the engine sizes its KV cache from the training run's memory plan, whose KV bytes go
-    # to its ``plan_kv_cache(bytes)`` before ``setup`` (VLLMEngine's ``kv_cache_gib: plan``)
-    wants_kv_plan: bool = False
+    # True: ``generate`` reads ``PromptBatch.partner`` (the prompts in the junior's own tokens),
+    # which the rollout phase then always builds (TextHandoffEngine)
+    needs_partner_prompts: bool = False
 
-    @property
-    def sampled_vocab(self) -> int | None:
+    def sampled_vocab(self, tokenizer) -> int | None:
         """How many of the senior head's logits the engine samples and scores tokens over (the
-        first ones); None: all of them. The token-level engines draw from the tokenizer's
-        vocabulary (``TokenClasses``): a head's rows past it are padding no token id decodes to
-        (Qwen3's 151,936 rows for 151,669 tokens). The update's log-probs normalise over the same
-        tokens, so an importance ratio compares the distribution the token was drawn from; on
-        random weights, where padding rows carry real mass, a mismatch would be a gap of
-        log(rows / tokens) on every token (0.49 nats for a 248,320-row head read by Qwen3's
-        tokenizer)."""
-        return len(self.tokenizer)
+        first ones), reading ``tokenizer``; None: all of them. The token-level engines draw from the
+        tokenizer's vocabulary (``TokenClasses``): a head's rows past it are padding no token id
+        decodes to (Qwen3's 151,936 rows for 151,669 tokens). The update's log-probs normalise over
+        the same tokens, so an importance ratio compares the distribution the token was drawn from;
+        on random weights, where padding rows carry real mass, a mismatch would be a gap of
+        log(rows / tokens) on every token."""
+        return len(tokenizer)
 
     def kv_pool_size(self) -> tuple[int | None, float | None]:
         """The KV pool this engine holds whatever the batch, for the memory plan: (token positions,
@@ -132,7 +207,17 @@ class RolloutEngine(ABC):
         the plan counts them by default."""
         return None, None
 
-    def setup(self, senior: nn.Module, junior: nn.Module | None, tokenizer, junior_tokenizer=None) -> None:
+    def plan_kv_cache(self, budget: KVBudget) -> str | None:
+        """Size the engine's KV cache from a training run's memory plan (``budget``), before
+        ``setup``; a line for the log saying what it chose, or None. Engines whose caches grow with
+        the batch have nothing to plan."""
+        return None
+
+    def setup(self, senior: nn.Module, junior: nn.Module | None, tokenizer, junior_tokenizer=None,
+              max_batch: int | None = None) -> None:
+        """Bind the models and tokenizers (once per device); ``max_batch``: sequences decoded at
+        once (``rollout.batch_size``; None: every row of a ``generate`` call)."""
+        self.max_batch = check_max_batch(max_batch)
         check_shared_tokenizer(tokenizer, junior_tokenizer)
         self.bind_senior(senior)
         self.junior = junior
@@ -173,6 +258,10 @@ class RolloutEngine(ABC):
 
     def release(self) -> None:  # noqa: B027 (engines with dynamic caches hold nothing between calls)
         """Free generation memory (caches, captured graphs) until the next ``generate``."""
+
+    def last_timing(self) -> EngineTiming | None:
+        """Where the last ``generate`` spent its time; None: this engine does not time its calls."""
+        return None
 
     def token_classes(self, device: torch.device) -> TokenClasses:
         if self._classes is None or self._classes.starts_ws.device != device:

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from tandem_lit.errors import ConfigError
 from tandem_lit.rollout.decoder import _CANDIDATE, _FIRST_AUTHOR, _HANDOFF, _SWITCH
-from tandem_lit.rollout.engine import RolloutEngine, cache_kwarg, end_token_ids, eval_mode
+from tandem_lit.rollout.engine import RolloutEngine, cache_kwarg, check_max_batch, end_token_ids, eval_mode
 from tandem_lit.rollout.handoff import BoundaryRule, HandoffPolicy, TokenClasses
 from tandem_lit.rollout.record import Author, PromptBatch, Rollout
 from tandem_lit.rollout.sampling import SamplingConfig, sample_tokens, uniform
@@ -115,7 +115,9 @@ class TextHandoffEngine(RolloutEngine):
     def __init__(self, rollout_dtype: str = "auto"):
         self.rollout_dtype = check_rollout_dtype(rollout_dtype)
 
-    def setup(self, senior: nn.Module, junior: nn.Module | None, tokenizer, junior_tokenizer=None) -> None:
+    def setup(self, senior: nn.Module, junior: nn.Module | None, tokenizer, junior_tokenizer=None,
+              max_batch: int | None = None) -> None:
+        self.max_batch = check_max_batch(max_batch)
         self.bind_senior(senior)
         self.junior = junior
         self.tokenizer = tokenizer

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from tandem_lit.errors import ConfigError, MissingDependencyError
-from tandem_lit.rollout.engine import RolloutEngine
+from tandem_lit.rollout.engine import EngineTiming, KVBudget, RolloutEngine
 from tandem_lit.rollout.handoff import HandoffPolicy
 from tandem_lit.rollout.record import Author, PromptBatch, Rollout
 from tandem_lit.rollout.sampling import SamplingConfig
@@ -159,9 +159,11 @@ class VLLMEngine(RolloutEngine):
         engine_kwargs: Further ``vllm.LLM`` arguments (e.g. ``max_num_seqs``), passed as they are.
     """
 
-    queues_rows = True  # vLLM's scheduler admits requests as its KV cache allows
-    # vLLM samples and scores over every logit of the model's vocabulary (config.vocab_size)
-    sampled_vocab = None
+    queues_rows = True  # vLLM's scheduler admits requests as its KV cache allows (``max_batch`` unused)
+
+    def sampled_vocab(self, tokenizer) -> None:
+        """vLLM samples and scores over every logit of the model's vocabulary (config.vocab_size)."""
+        return None
 
     def __init__(
         self,
@@ -194,7 +196,7 @@ class VLLMEngine(RolloutEngine):
         self._built_config: dict | None = None
         self._asleep: set[str] = set()  # vLLM memory tags now released: "weights", "kv_cache"
         self._weights_lost = False  # a level-2 sleep dropped them and nothing has been loaded since
-        self._last_timing: dict[str, float] | None = None
+        self._last_timing: EngineTiming | None = None
         self.planned_kv_bytes: int | None = None
 
     check_policy = staticmethod(check_policy)
@@ -203,12 +205,11 @@ class VLLMEngine(RolloutEngine):
         # a size in GiB is vLLM's cache whatever the batch; "plan" takes the plan's own number
         return None, (float(self.kv_cache_gib) if isinstance(self.kv_cache_gib, (int, float)) else None)
 
-    @property
-    def wants_kv_plan(self) -> bool:
-        return self.kv_cache_gib == "plan"
-
-    def plan_kv_cache(self, kv_bytes: int) -> None:
-        self.planned_kv_bytes = int(kv_bytes)
+    def plan_kv_cache(self, budget: KVBudget) -> str | None:
+        """``kv_cache_gib: plan``: vLLM's KV cache is the plan's KV bytes."""
+        if self.kv_cache_gib == "plan":
+            self.planned_kv_bytes = int(budget.planned_bytes)
+        return None
 
     # ------------------------------------------------------------------------------ weights
 
@@ -253,7 +254,7 @@ class VLLMEngine(RolloutEngine):
         self._weights_lost = False
         if not self._asleep:
             self.llm.reset_prefix_cache()  # cached prompt blocks were computed with the old weights
-        self.weights_version = getattr(self, "weights_version", 0) + 1
+        self.weights_version += 1
         return checked.count
 
     # ------------------------------------------------------------------------------ memory
@@ -297,21 +298,21 @@ class VLLMEngine(RolloutEngine):
             outputs = self.llm.generate([{"prompt_token_ids": row} for row in rows], params, use_tqdm=False)
         decoded = time.perf_counter()
         rollout = self._rollout(prompts, policy, sampling, [out.outputs[0] for out in outputs])
-        self._last_timing = {
-            "setup_s": woken - started,
-            "prefill_s": 0.0,  # vLLM interleaves prefill with decoding: both are in decode_s
-            "decode_s": decoded - woken,
-            "decode_steps": int(rollout.lengths.max()) if rollout.lengths.numel() else 0,
-            "prompt_width": prompts.input_ids.shape[1],
-        }
+        self._last_timing = EngineTiming(
+            setup_s=woken - started,
+            prefill_s=0.0,  # vLLM interleaves prefill with decoding: both are in decode_s
+            decode_s=decoded - woken,
+            decode_steps=int(rollout.lengths.max()) if rollout.lengths.numel() else 0,
+            prompt_width=prompts.input_ids.shape[1],
+        )
         return rollout
 
-    def last_timing(self) -> dict[str, float]:
+    def last_timing(self) -> EngineTiming:
         """The last ``generate``: waking and reloading (setup_s), vLLM's generate call (decode_s,
         prefill included), the longest completion (decode_steps) and the padded prompt width."""
         if self._last_timing is None:
             raise RuntimeError("last_timing() reports on a generate() call; none has run yet")
-        return dict(self._last_timing)
+        return self._last_timing
 
     def _params(self, sampling: SamplingConfig, seed: int, budget: int):
         return self.vllm.SamplingParams(

@@ -21,13 +21,9 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
-from tandem_lit.errors import ConfigError
+from tandem_lit.errors import ConfigError, WeightSyncError
 
 ROLLOUT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-class WeightSyncError(ConfigError):
-    """The named tensors do not fit the engine's rollout model."""
 
 
 def is_sharded(model: nn.Module | None) -> bool:

@@ -5,7 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tandem_lit.evaluation.results import RolloutResult
+from tandem_lit.rollout.result import RolloutResult
+
+
+def append_sampled(trainer, settings, result: RolloutResult, tokenizer, split: str, run_id: str | None, step: int) -> None:
+    """``append`` every ``completions_every_n_steps`` optimiser updates (``LoggingSettings``), on rank 0."""
+    every = settings.completions_every_n_steps
+    if not every or trainer is None or step % every or not trainer.is_global_zero:
+        return
+    append(trainer.default_root_dir, result, tokenizer, split, run_id, step, settings.completions_per_log)
 
 
 def append(folder: str | Path, result: RolloutResult, tokenizer, split: str, run_id: str | None, step: int, count: int) -> None:

@@ -1,5 +1,4 @@
-"""GPU memory of a training step: an estimate from shapes before the run, and optimizer-state
-offload during rollouts.
+"""GPU memory of a training step: an estimate from shapes before the run.
 
 A step has two phases that never need their big buffers at the same time:
 
@@ -10,8 +9,8 @@ The engine releases its caches before the update and gradients are freed (not ze
 so the peak is the larger phase, not their sum. ``estimate_step_memory`` adds the parts up from
 the models' shapes and the run's settings; ``MemoryEstimate.check`` fails before the first step
 with what does not fit and which setting to change, instead of an out-of-memory trace mid-run.
-With a paged engine the KV caches are its pool, and ``plan_kv_pool`` sizes a pool the run left
-unsized to what fits. On W ranks (FSDP2, ``StepSettings.world``) the senior's float32 weights,
+With a paged engine the KV caches are its pool, which the engine sizes from ``kv_budget`` (a pool
+the run left unsized gets what fits). On W ranks (FSDP2, ``StepSettings.world``) the senior's float32 weights,
 gradients and optimizer state are split W ways; every rank still holds the full bf16 rollout
 copy, the junior, the KV caches of its own share of the rollouts and the activations of its
 micro-batches, plus the layers FSDP gathers for compute (the root unit, embeddings and head,
@@ -26,12 +25,16 @@ autocast, counted per token; a hybrid model's layers weighted by what they were 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from tandem_lit.errors import ConfigError
+from tandem_lit.errors import MemoryBudgetError
+from tandem_lit.rollout.engine import KVBudget
+
+log = logging.getLogger(__name__)
 
 GIB = 1024**3
 FIXED_OVERHEAD = 3 * GIB  # CUDA context, cuBLAS workspaces, graph pools, allocator slack
@@ -41,10 +44,6 @@ LOGIT_CHUNK_BYTES = 3 * GIB  # logprobs.CHUNK_ELEMENTS float32 logits, their log
 # under transformers' torch fallback), each the larger of the full-weight and LoRA ratios: an
 # estimate that errs low lets a step run out of memory mid-run, as the 9B did (dev/log.md).
 HYBRID_LAYER_FACTORS = {"linear_attention": 3.0, "full_attention": 1.5}
-
-
-class MemoryBudgetError(ConfigError):
-    """The estimated peak memory of a step exceeds the device's."""
 
 
 @dataclass
@@ -237,113 +236,44 @@ def estimate_step_memory(senior: ModelShape, junior: ModelShape | None, settings
 POOL_HEADROOM = 0.05  # of the device, left free beside a paged pool sized to what fits (7 GiB of an H200)
 
 
-def plan_kv_pool(engine, estimate: MemoryEstimate, capacity: int) -> str | None:
-    """Size a paged engine's KV pool (``FastEngine(kv_cache="paged")``) against the device, and say
-    so: a pool the run left unsized defaults to the slot caches' size; when that does not fit,
-    it gets the positions that do (admission then waits for free pages instead of the rollout
-    running out of memory). ``estimate`` is updated. None for engines without a paged pool."""
-    if getattr(engine, "kv_cache", None) != "paged":
-        return None
+def kv_budget(estimate: MemoryEstimate, capacity: int | None) -> KVBudget:
+    """What the estimate gives the rollout phase's KV caches, for the engine to size its own
+    (``RolloutEngine.plan_kv_cache``); ``capacity``: the device's bytes, of which ``POOL_HEADROOM``
+    stays free (None: no device to fit)."""
+    per_token = max(estimate.kv_bytes_per_token, 1)
     # a pool sized to fill the estimate exactly would leave nothing for what it does not count
     # (the allocator's fragmentation, the graphs of a larger batch ladder): keep a share free
-    fit = estimate.kv_tokens_that_fit(int(capacity * (1 - POOL_HEADROOM)))
-    tokens = estimate.rollout["KV caches"] // max(estimate.kv_bytes_per_token, 1)
-    sized_by = "engine.kv_cache_tokens / kv_cache_gib"
-    if engine.kv_cache_tokens is None and engine.kv_cache_gib is None:
-        sized_by = "rollout sequences x (prompt + max_new_tokens)"
-        if 0 < fit < tokens:
-            engine.kv_cache_tokens = tokens = fit
-            estimate.rollout["KV caches"] = fit * estimate.kv_bytes_per_token
-            sized_by = "what fits the GPU"
-    return (f"paged KV pool: {tokens:,} token positions, {estimate.rollout['KV caches'] / GIB:.1f} GiB ({sized_by}); "
-            f"{fit:,} fit beside the rest of the rollout phase")
+    fit = estimate.kv_tokens_that_fit(int(capacity * (1 - POOL_HEADROOM))) if capacity is not None else None
+    return KVBudget(estimate.rollout["KV caches"] // per_token, estimate.kv_bytes_per_token, fit)
 
 
-def pack_by_tokens(
-    prompts: list[int], completions: list[int], max_rows: int, max_tokens: int, packed: bool = False,
-) -> list[list[int]]:
-    """Row indices in passes of at most ``max_rows`` rows and ``max_tokens`` tokens, longest first.
-
-    Padded rows (``packed`` False): a pass costs its rows x (longest prompt + longest completion),
-    so rows of like length share a pass. Packed rows: a pass costs the sum of its sequences'
-    tokens, and each row goes into the first pass with room for it (first-fit decreasing). A row
-    longer than ``max_tokens`` goes alone."""
-    order = sorted(range(len(prompts)), key=lambda i: -(prompts[i] + completions[i]))
-    passes: list[list[int]] = []
-    if packed:
-        used: list[int] = []
-        for i in order:
-            tokens = prompts[i] + completions[i]
-            room = next((k for k, p in enumerate(passes) if len(p) < max_rows and used[k] + tokens <= max_tokens), None)
-            if room is None:
-                passes.append([i])
-                used.append(tokens)
-            else:
-                passes[room].append(i)
-                used[room] += tokens
-        return passes
-    for i in order:
-        current = passes[-1] if passes else []
-        grown = current + [i]
-        # a trimmed pass is as wide as its longest prompt plus its longest completion
-        padded = len(grown) * (max(prompts[j] for j in grown) + max(completions[j] for j in grown))
-        if current and len(grown) <= max_rows and padded <= max_tokens:
-            current.append(i)
-        else:
-            passes.append([i])
-    return passes
+def estimate_module_memory(module, prompts_per_step: int | None = None, mixed_precision: bool | None = None,
+                           decode_dtype: torch.dtype | None = None, world: int | None = None) -> MemoryEstimate:
+    """A ``TandemModule``'s step, per GPU, from its models' shapes and settings (``estimate_run_memory``);
+    ``prompts_per_step``, ``mixed_precision`` and ``world`` (FSDP2 ranks) default to the data
+    module's and trainer's."""
+    trainer = module._trainer
+    return estimate_run_memory(
+        module.senior, module.junior, module.reference is not None, module.engine.rollout_dtype,
+        module.rollout_settings, module.update_settings, module.memory,
+        prompts_per_step or getattr(getattr(trainer, "datamodule", None), "batch_size", 1),
+        "mixed" in str(getattr(trainer, "precision", "32")) if mixed_precision is None else mixed_precision,
+        decode_dtype, *module.engine.kv_pool_size(), world=world or getattr(trainer, "world_size", 1),
+    )
 
 
-class OptimizerOffload:
-    """Moves optimizer state to pinned host memory during rollouts and back for the update.
-
-    The host buffers are allocated once and reused, so a step costs two copies over PCIe (~1.3 s
-    each for the 32 GB of a 4B model's AdamW state) and no allocation. FSDP's state (DTensors)
-    moves shard by shard: each rank offloads its own local shard and gets the DTensor back.
-    """
-
-    def __init__(self) -> None:
-        self._host: dict[tuple[int, str], torch.Tensor] = {}
-        self._device: dict[tuple[int, str], torch.device] = {}
-        self._sharding: dict[tuple[int, str], tuple] = {}  # DTensor state: (mesh, placements, shape, stride)
-
-    def to_host(self, optimizer: torch.optim.Optimizer) -> int:
-        moved = 0
-        for param, state in optimizer.state.items():
-            for key, value in state.items():
-                if torch.is_tensor(value) and value.is_cuda:
-                    slot = (id(param), key)
-                    local = value
-                    if hasattr(value, "to_local"):  # a DTensor: keep how it is sharded
-                        self._sharding[slot] = (value.device_mesh, value.placements, value.shape, value.stride())
-                        local = value.to_local()
-                    host = self._host.get(slot)
-                    if host is None or host.shape != local.shape or host.dtype != local.dtype:
-                        host = self._host[slot] = torch.empty(local.shape, dtype=local.dtype, pin_memory=True)
-                    host.copy_(local, non_blocking=True)
-                    self._device[slot] = local.device
-                    state[key] = host
-                    moved += local.numel() * local.element_size()
-        if moved:
-            torch.cuda.synchronize()  # the device copies may be freed only once the host has them
-        return moved
-
-    def to_device(self, optimizer: torch.optim.Optimizer) -> int:
-        moved = 0
-        for param, state in optimizer.state.items():
-            for key, value in state.items():
-                slot = (id(param), key)
-                if torch.is_tensor(value) and slot in self._device and value is self._host.get(slot):
-                    local = value.to(self._device.pop(slot), non_blocking=True)
-                    sharding = self._sharding.pop(slot, None)
-                    if sharding is not None:
-                        from torch.distributed.tensor import DTensor
-
-                        mesh, placements, shape, stride = sharding
-                        local = DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
-                    state[key] = local
-                    moved += value.numel() * value.element_size()
-        return moved
+def plan_device_memory(module) -> MemoryEstimate:
+    """When fit starts on a GPU: the engine sizes its KV cache from the step's estimate (before its
+    setup), then the estimate counts what it chose, is logged, and is checked against the device
+    (``memory.check``)."""
+    properties = torch.cuda.get_device_properties(module.device)
+    if pool := module.rollouts.plan_kv_cache(kv_budget(estimate_module_memory(module), properties.total_memory)):
+        log.info(pool)
+    estimate = estimate_module_memory(module)
+    log.info("estimated peak GPU memory of a training step: %s", estimate.table())
+    if module.memory.check:
+        estimate.check(properties.total_memory, properties.name)
+    return estimate
 
 
 def estimate_run_memory(

@@ -1,4 +1,5 @@
-"""The rollout phase of a training step: prompts in, graded rollouts out.
+"""The rollout phase of a training step: prompts in, graded rollouts out; and the engine's life
+(bound once, set up per device, weights loaded by policy version, caches released).
 
     rows -> prompts that fit -> formatted, tokenised prompts (each model its own format)
          -> engine.generate in calls of at most ``rollout.batch_size`` sequences
@@ -19,14 +20,15 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from tandem_lit.evaluation.results import RolloutResult, concat_results
 from tandem_lit.objectives.base import AuthorshipError
-from tandem_lit.rollout.engine import RolloutEngine
+from tandem_lit.rollout.engine import EngineTiming, KVBudget, RolloutEngine
 from tandem_lit.rollout.handoff import HandoffPolicy
 from tandem_lit.rollout.record import Author, PromptBatch, Rollout
+from tandem_lit.rollout.result import RolloutResult, concat_results
 from tandem_lit.rollout.sampling import SamplingConfig, sequence_seeds
+from tandem_lit.rollout.weights import gathered, rollout_dtype, rollout_named_tensors
 from tandem_lit.training.distributed import Shares
 from tandem_lit.training.settings import OverlongPolicy, PromptFormat, RolloutSettings
 from tandem_lit.verifiers.base import Verifier
@@ -37,29 +39,84 @@ ONE_PROCESS = Shares()
 
 
 class RolloutPhase:
-    """Generates and grades rollouts for rows of a data batch.
+    """Generates and grades rollouts for rows of a data batch, and owns the engine's life.
 
-    ``ready_engine()`` returns the engine bound to the models with the current weights (the
-    module owns that: it knows when the weights moved); ``device()`` where prompts go. The
-    tokenizers are set once the models are loaded (the module's own ``tokenizer`` attributes).
+    ``bind`` gives it the models, tokenizers and engine once (``TandemModule.configure_model``).
+    ``ready`` sets the engine up where the senior lives now (again when Lightning moved it), with
+    ``rollout.batch_size`` as the sequences it decodes at once, and before a rollout loads the
+    trained weights into the engine's rollout copy when the policy moved since the last load
+    (``policy_moved``: optimiser updates, a loaded checkpoint). ``release`` frees its caches for
+    the update. ``timing``: the engine's phase times over a training step's calls.
     """
 
-    def __init__(self, settings: RolloutSettings, verifier: Verifier, has_junior: bool,
-                 ready_engine: Callable[[], RolloutEngine], device: Callable[[], torch.device],
-                 overlong: OverlongPolicy | None = None):
+    def __init__(self, settings: RolloutSettings, verifier: Verifier, overlong: OverlongPolicy | None = None):
         self.settings = settings
         self.overlong = overlong or OverlongPolicy()  # the update's: what dynamic sampling filters on
         self.verifier = verifier
-        self.has_junior = has_junior
-        self.ready_engine, self.device = ready_engine, device
+        self.senior: nn.Module | None = None
+        self.junior: nn.Module | None = None
         self.tokenizer = None
         self.junior_tokenizer = None
-        self.timing: dict[str, float] = {}  # the engine's phase times, summed over the calls since reset
+        self.engine: RolloutEngine | None = None
+        self.policy_version = 0  # optimiser updates (and checkpoint loads) so far
+        self._engine_version = 0  # the policy version the engine decodes
+        self._engine_device: torch.device | None = None  # where the engine was set up (None: not yet)
+        self.timing: EngineTiming | None = None  # the engine's phase times, summed over a training step's calls
         # per-row token budgets from the rows' seeds ([B] -> [B] long, each <= max_new_tokens), or
         # None (every row may use sampling.max_new_tokens). Keyed by seed, so a row's budget does
         # not depend on how rows are split into calls: benchmarks put real length distributions
         # on random-weight models this way (benchmarks/train_step.py --lengths).
         self.token_budgets: Callable[[Tensor], Tensor] | None = None
+
+    # -------------------------------------------------------------------------------- engine
+
+    def bind(self, senior: nn.Module, junior: nn.Module | None, tokenizer, junior_tokenizer, engine: RolloutEngine) -> None:
+        """The models the engine decodes (the trained senior, the frozen junior), their tokenizers
+        (every prompt is encoded here) and the engine; it is set up at the first ``ready``."""
+        self.senior, self.junior, self.engine = senior, junior, engine
+        self.tokenizer, self.junior_tokenizer = tokenizer, junior_tokenizer
+        self._engine_device = None
+
+    @property
+    def device(self) -> torch.device:
+        """Where the senior lives now (prompts go there)."""
+        return next(self.senior.parameters()).device
+
+    def engine_params(self) -> dict[str, str]:
+        """The engine and the dtype it decodes the senior in, for the run's hyperparameters."""
+        requested = self.engine.rollout_dtype
+        dtype = next(self.senior.parameters()).dtype if requested == "live" else rollout_dtype(requested, self.senior)
+        return {"engine": type(self.engine).__name__, "rollout_dtype": str(dtype).removeprefix("torch.")}
+
+    def plan_kv_cache(self, budget: KVBudget) -> str | None:
+        """Hand the engine a training run's KV budget, before its setup (``RolloutEngine.plan_kv_cache``)."""
+        return self.engine.plan_kv_cache(budget)
+
+    def ready(self) -> RolloutEngine:
+        """The engine, set up with the models where they now live, its rollout copy loaded with
+        the current trained weights (once per rollout phase after updates). Call it on every rank
+        at once: with FSDP, filling the rollout copy gathers the senior's shards (a collective)."""
+        if self._engine_device != self.device:
+            with gathered(self.senior):  # (a no-op unless FSDP shards the senior)
+                self.engine.setup(self.senior, self.junior, self.tokenizer, self.junior_tokenizer, self.settings.batch_size)
+            self._engine_device = self.device
+            self._engine_version = self.policy_version
+        elif self._engine_version != self.policy_version:
+            if self.engine.decodes_copy:
+                with gathered(self.senior):
+                    self.engine.load_weights(rollout_named_tensors(self.senior))
+            self._engine_version = self.policy_version
+        return self.engine
+
+    def policy_moved(self, updates: int = 1) -> None:
+        """The trained weights changed (optimiser updates, a loaded checkpoint): the engine's copy
+        is refreshed before the next rollout."""
+        self.policy_version += updates
+
+    def release(self) -> None:
+        """Free the engine's caches until the next rollout (the update's activations get their memory)."""
+        if self._engine_device is not None:
+            self.engine.release()
 
     # ------------------------------------------------------------------------------- prompts
 
@@ -107,7 +164,7 @@ class RolloutPhase:
         seeds = sequence_seeds(sampling.seed, key, (max(row_ids) + 1 if row_ids else len(rows)) * sampling.n)
         if row_ids:  # the seeds these rows get in one process
             seeds = seeds.view(-1, sampling.n)[torch.tensor(row_ids)].reshape(-1)
-        engine = self.ready_engine()
+        engine = self.ready()
         per_call = len(rows) if engine.queues_rows else max(1, (self.settings.batch_size or len(rows) * sampling.n) // sampling.n)
         parts = []
         for start in range(0, len(rows), per_call):
@@ -122,16 +179,16 @@ class RolloutPhase:
         prompts_text = [row["prompt"] for row in rows for _ in range(sampling.n)]
         encoded = self.encode_prompts(prompts_text)
         partner = None
-        if self.has_junior and (getattr(engine, "needs_partner_prompts", False) or self.settings.junior_prompt_format):
+        if self.junior is not None and (engine.needs_partner_prompts or self.settings.junior_prompt_format):
             junior = self.encode_junior_prompts(prompts_text)
             partner = PromptBatch(junior["input_ids"], junior["attention_mask"], seeds)
         budgets = self.token_budgets(seeds) if self.token_budgets is not None else None
         prompts = PromptBatch(encoded["input_ids"], encoded["attention_mask"], seeds, partner, max_new_tokens=budgets)
-        prompts = prompts.to(self.device())
+        prompts = prompts.to(self.device)
         rollout = engine.generate(prompts, policy, sampling)
-        if hasattr(engine, "last_timing"):
-            for name, value in dict(engine.last_timing(), calls=1).items():
-                self.timing[name] = self.timing.get(name, 0.0) + value
+        timing = engine.last_timing()
+        if timing is not None:
+            self.timing = timing if self.timing is None else self.timing + timing
         self.check_authorship(rollout, policy)
         columns = {name: [row[name] for row in rows for _ in range(sampling.n)] for name in rows[0] if name != "prompt"}
         grades = self.verifier.grade_batch(rollout.texts, **columns)
@@ -162,7 +219,11 @@ class RolloutPhase:
                           shares: Shares = ONE_PROCESS) -> tuple[RolloutResult | None, dict[str, float]]:
         """This rank's graded rollouts of a training step over ``rows`` (the prompts of the whole
         data batch that fit), and the step's rollout metrics; None when the step trains no group.
-        Every rank gets the same ``rows`` and decides the same groups (``Shares``)."""
+        Every rank gets the same ``rows`` and decides the same groups (``Shares``). ``timing``
+        starts again here: it is this step's."""
+        self.timing = None
+        if not rows:
+            return None, {}
         if self.settings.dynamic_sampling is not None:
             return self.informative(rows, policy, key, shares)
         trained = shares.balanced(len(rows))
@@ -189,7 +250,7 @@ class RolloutPhase:
         settings = self.settings.dynamic_sampling
         target, dropped, rounds, start, found = settings.prompts_per_step, 0, 0, 0, 0
         kept: dict[int, RolloutResult] = {}  # place among every rank's kept groups -> one group this rank rolled out
-        engine = self.ready_engine()  # on every rank: loading the rollout copy gathers FSDP shards (a collective)
+        engine = self.ready()  # on every rank: loading the rollout copy gathers FSDP shards (a collective)
         while found < target and start < len(pool) and rounds < settings.max_rounds:
             rows = pool[start : start + target - found]
             start += len(rows)
@@ -211,7 +272,7 @@ class RolloutPhase:
             stats["balance_dropped_groups"] = float(found - trained)
         share = shares.deal(kept, trained)
         if share:
-            device = self.device()
+            device = self.device
             parts = [replace(part.to(device), group=torch.full_like(part.group, i)) for i, part in enumerate(share)]
             return concat_results(parts, engine.pad_token_id), stats
         if found:

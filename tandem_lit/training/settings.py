@@ -10,11 +10,12 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from tandem_lit.errors import ConfigError, TandemLitError
+from tandem_lit.errors import ConfigError
 from tandem_lit.evaluation.language import LanguageShare
 from tandem_lit.evaluation.steps import EvalMode
 from tandem_lit.models.liger import FusedKernels
 from tandem_lit.rollout.handoff import HandoffPolicy, ParagraphHandoff
+from tandem_lit.rollout.record import Author
 from tandem_lit.rollout.sampling import SamplingConfig
 
 
@@ -68,10 +69,6 @@ class PromptFormat:
         ]
         extra = {"enable_thinking": self.enable_thinking} if self.enable_thinking is not None else {}
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
-
-
-class TrainingStalledError(TandemLitError, RuntimeError):
-    """Training cannot make progress with these settings."""
 
 
 @dataclass
@@ -234,9 +231,10 @@ class RolloutSettings:
     Args:
         sampling: Training rollouts (``n`` = rollouts per prompt, GRPO's group size).
         batch_size: Sequences decoded at once (None: all of a step's rollouts); bounds the KV
-            cache memory of generation. FastEngine takes a step's rollouts in one call as a queue
-            and refills finished sequences' room (its ``max_batch``, unless set there); engines
-            without a queue (HFEngine, TextHandoffEngine) get calls of this many sequences.
+            cache memory of generation. The one such setting: the engine gets it at setup
+            (``RolloutEngine.max_batch``). FastEngine takes a step's rollouts in one call as a
+            queue, decodes this many at once and refills finished sequences' room; engines without
+            a queue (HFEngine, TextHandoffEngine) get calls of this many sequences.
         max_prompt_tokens: Training skips prompts longer than this (after the chat template),
             counted in ``train/skipped_long_prompts`` (verl's overlong-prompt filter). Evaluation
             never skips. None: no limit. On W processes a step trains a multiple of W of the
@@ -348,6 +346,11 @@ class EvaluationSettings:
             raise ConfigError(f"evaluation.modes may hold 'senior', 'junior', 'tandem'; got {sorted(unknown)}")
         if self.test_forced_token and not has_junior:
             raise ConfigError("evaluation.test_forced_token needs a junior model (its token is the one forced): set `junior`")
+        if not has_junior and (handoff.only_author != Author.SENIOR or {"junior", "tandem"} & set(modes)):
+            raise ConfigError(
+                f"handoff {handoff!r} and evaluation.modes {modes} need a junior model: set "
+                "`junior`, or use SoloHandoff(author='senior') with evaluation.modes: [senior] for plain RL"
+            )
         return replace(
             self, sampling=sampling, modes=modes, handoff=self.handoff or handoff,
             test_handoff=self.test_handoff or ParagraphHandoff(p=0.5, first_author="senior"),

@@ -21,20 +21,21 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from tandem_lit.errors import LogprobGapError, NonFiniteGradientError
+from tandem_lit.errors import ConfigError, LogprobGapError, NonFiniteGradientError
 from tandem_lit.evaluation.metrics import LogprobGap
-from tandem_lit.evaluation.results import RolloutResult
 from tandem_lit.models import liger
 from tandem_lit.models.varlen_attention import varlen_during
 from tandem_lit.objectives.base import Objective, ObjectiveInputs
 from tandem_lit.objectives.mismatch import MismatchStats
 from tandem_lit.rollout.logprobs import completion_logprobs
 from tandem_lit.rollout.record import Rollout
+from tandem_lit.rollout.result import RolloutResult
 from tandem_lit.rollout.sampling import SamplingConfig
 from tandem_lit.rollout.weights import plain_model
 from tandem_lit.training.compute_weights import ComputeWeights, autocast_dtype
 from tandem_lit.training.distributed import all_reduce_sum, balance, full_value, max_over_ranks
-from tandem_lit.training.memory import OptimizerOffload, pack_by_tokens
+from tandem_lit.training.offload import OptimizerOffload
+from tandem_lit.training.passes import pack_by_tokens
 from tandem_lit.training.settings import MemorySettings, UpdateSettings
 
 log = logging.getLogger(__name__)
@@ -124,8 +125,9 @@ class HostRows:
 class UpdatePhase:
     """Optimiser updates of the senior from one batch of graded rollouts.
 
-    ``senior`` is the trained model, ``reference`` the frozen initial copy for a KL term (None:
-    the senior with its LoRA adapters disabled), ``backward`` Lightning's ``manual_backward``.
+    ``bind`` gives it, once: ``senior`` the trained model, ``reference`` the frozen initial copy
+    for a KL term (None: the senior with its LoRA adapters disabled), ``backward`` Lightning's
+    ``manual_backward``, ``vocab`` the engine's sampled vocabulary.
     """
 
     def __init__(self, settings: UpdateSettings, memory: MemorySettings, objective: Objective, sampling: SamplingConfig):
@@ -137,15 +139,26 @@ class UpdatePhase:
         self.warned_gap = False
         self.fused_kernels: tuple[str, ...] = ()  # Liger's in use (memory.fused_kernels), decided when fit starts
         self.fused_logprobs = False  # the fused head among them
-        self.vocab: int | None = None  # the engine's sampled vocabulary (RolloutEngine.sampled_vocab), set with it
+        self.vocab: int | None = None  # the engine's sampled vocabulary (RolloutEngine.sampled_vocab), set by bind
 
-    def bind(self, senior: nn.Module, reference: nn.Module | None, backward: Callable[[Tensor], None]) -> None:
-        """The models the update trains and scores with; their dropout is switched off for good
-        (``without_dropout``)."""
-        self.senior, self.reference, self.backward = senior, reference, backward
+    def bind(self, senior: nn.Module, reference: nn.Module | None, backward: Callable[[Tensor], None],
+             vocab: int | None = None) -> None:
+        """The models and the backward once loaded; ``vocab``: the logits the engine samples from
+        (the update's log-probs normalise over the same ones). The models' dropout is switched off
+        for good (``without_dropout``): every pass of an update scores the same network."""
+        self.senior, self.reference, self.backward, self.vocab = senior, reference, backward, vocab
         for model in (senior, reference):
             if model is not None:
                 without_dropout(model)
+
+    def check_group_size(self) -> None:
+        """A group-relative objective needs several rollouts per prompt (checked when fit starts)."""
+        if self.objective.group_relative and self.sampling.n < 2:
+            raise ConfigError(
+                f"{type(self.objective).__name__} compares the rollouts of each prompt, and rollout.sampling.n is "
+                f"{self.sampling.n}: every advantage would be 0 and nothing would train. Set rollout.sampling.n >= 2 "
+                "(Tandem RLVR uses 8), or use Reinforce."
+            )
 
     def use_fused_kernels(self, device: torch.device) -> tuple[str, ...]:
         """Liger's kernels (``memory.fused_kernels``) in the forward of the senior and of its

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from tandem_lit.errors import DataError
+from tandem_lit.errors import MissingColumnError
 from tandem_lit.verifiers.columns import FieldType, check_record
 
 
@@ -45,10 +45,6 @@ def label_means(grades: Sequence[Grade]) -> dict[str, tuple[float, int]]:
             total[0] += float(value)
             total[1] += 1
     return {name: (total / count, count) for name, (total, count) in sums.items()}
-
-
-class MissingColumnError(DataError):
-    """The dataset rows lack a field the verifier needs."""
 
 
 class Verifier(ABC):

@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from tandem_lit.errors import ConfigError, DataError
+from tandem_lit.errors import ConfigError, DataError, SandboxRefusedError
 from tandem_lit.verifiers.base import Grade, Verifier
 from tandem_lit.verifiers.columns import FieldType
 from tandem_lit.verifiers.sandbox import CaseResult, Limits, RunResult, Sandbox, SandboxUnavailableError
@@ -131,10 +131,6 @@ def is_same_tree(a, b):
         return a is b
     return a.val == b.val and is_same_tree(a.left, b.left) and is_same_tree(a.right, b.right)
 '''
-
-
-class SandboxRefusedError(ConfigError):
-    """The sandbox cannot apply a protection on this machine, and it was not allowed to be missing."""
 
 
 # -- extraction -------------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
-from tandem_lit.errors import ConfigError
+from tandem_lit.errors import ConfigError, JudgeAuthError
 
 __all__ = [
     "HTTPJudge",
@@ -71,10 +71,6 @@ DEFAULT_TEMPLATE = "prompts/elegance_judge.txt"  # package data of tandem_lit.ve
 _PLACEHOLDER = re.compile(r"\{(problem|solution)\}")
 _THINK_BLOCK = re.compile(r"<think>.*?</think>", re.DOTALL)
 _VERDICT_LIKE = re.compile(r"^[\W_]*verdict\b", re.IGNORECASE)
-
-
-class JudgeAuthError(ConfigError):
-    """The judge server rejected the API key: every later request would fail the same way."""
 
 
 @dataclass(frozen=True)

@@ -22,14 +22,14 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
 
 from tandem_lit.errors import ConfigError
 from tandem_lit.rollout.decoder import TandemDecoder
-from tandem_lit.rollout.engine import model_prompts
+from tandem_lit.rollout.engine import EngineTiming, model_prompts
 from tandem_lit.rollout.record import PromptBatch
 from tandem_lit.rollout.static.paging import BlockManager, prompt_placement, write_table_rows
 from tandem_lit.rollout.static.scheduler import PagedSlotTable, RefillTimer, SlotTable
@@ -290,29 +290,23 @@ class ContinuousRun:
             timer.observe(self.table.batch, steps, max(now - synced - prefill, 0.0) / steps)
         return now
 
-    def timing(self) -> dict[str, float]:
+    def timing(self) -> EngineTiming:
         """See ``FastEngine.last_timing``."""
         (total,) = self.clock.seconds()
         waited = sum(_seconds(a, b) for a, b in zip(self.prefills[::2], self.prefills[1::2]))
         beside = sum(_seconds(a, b) for a, b in zip(self.beside[::2], self.beside[1::2]))
-        decode = total - waited
-        return {
-            "setup_s": self.setup_s, "prefill_s": waited + beside, "prefill_beside_s": beside,
-            "decode_s": decode, "decode_steps": self.steps,
-            "decode_step_ms": 1000 * decode / max(self.steps, 1),
-            "busy_slot_fraction": self.live_steps / max(self.slot_steps, 1),
-            "refills": self.refills, "refilled_sequences": self.refilled,
-            "compactions": self.compactions, "prompt_width": self.width,
-            **self._pool_timing(),
-        }
-
-    def _pool_timing(self) -> dict[str, float]:
-        if not isinstance(self.table, PagedSlotTable):
-            return {}
-        pages = self.table.pages
-        return {"preemptions": self.table.preemptions, "resumed_tokens": self.resumed_tokens,
-                "kv_pool_tokens": pages.usable * pages.page_size,
-                "kv_pool_peak_fraction": self.peak_pages / pages.usable}
+        timing = EngineTiming(
+            setup_s=self.setup_s, prefill_s=waited + beside, prefill_beside_s=beside,
+            decode_s=total - waited, decode_steps=self.steps, prompt_width=self.width,
+            busy_slot_fraction=self.live_steps / max(self.slot_steps, 1),
+            refills=self.refills, refilled_sequences=self.refilled, compactions=self.compactions,
+        )
+        if isinstance(self.table, PagedSlotTable):
+            pages = self.table.pages
+            timing = replace(timing, preemptions=self.table.preemptions, resumed_tokens=self.resumed_tokens,
+                             kv_pool_tokens=pages.usable * pages.page_size,
+                             kv_pool_peak_fraction=self.peak_pages / pages.usable)
+        return timing
 
 
 def paged_table(prompts: PromptBatch, budgets: Tensor, capacity: int, table: Tensor, pool_pages: int,

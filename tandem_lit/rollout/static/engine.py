@@ -57,7 +57,7 @@ from torch import Tensor, nn
 
 from tandem_lit.errors import ConfigError
 from tandem_lit.rollout.decoder import TandemDecoder, package_rollout
-from tandem_lit.rollout.engine import RolloutEngine, eval_mode, model_prompts
+from tandem_lit.rollout.engine import EngineTiming, KVBudget, RolloutEngine, eval_mode, model_prompts
 from tandem_lit.rollout.handoff import HandoffPolicy
 from tandem_lit.rollout.record import PromptBatch, Rollout
 from tandem_lit.rollout.sampling import SamplingConfig
@@ -129,6 +129,12 @@ class _Batch:
 class FastEngine(RolloutEngine):
     """Static-cache tandem engine; one CUDA graph per decode step on GPU, eager on CPU.
 
+    ``setup``'s ``max_batch`` (in training ``rollout.batch_size``) is how many sequences decode at
+    once (None: every row of a ``generate`` call). The rows of a call are a queue: when sequences
+    finish, their slots are refilled from it (one batched prefill of both models); once it is
+    empty, the live rows are compacted into the next smaller captured batch size. Slot KV caches
+    are sized for ``max_batch`` rows.
+
     Args:
         cuda_graphs: Capture and replay the decode step on CUDA devices.
         kernels: ``triton`` fused decode kernels (CUDA only), ``torch`` plain tensor ops (any
@@ -145,10 +151,6 @@ class FastEngine(RolloutEngine):
             concurrently with the senior's (same results; off: one stream, one after the other).
         rollout_dtype: Dtype of the senior's rollout copy (see ``RolloutEngine``; ``auto``: bf16 on
             a GPU, so a float32 or LoRA-wrapped senior decodes at bf16 speed).
-        max_batch: Sequences decoded at once (None: every row of a ``generate`` call). The rows of
-            a call are a queue: when sequences finish, their slots are refilled from it (one
-            batched prefill of both models); once it is empty, the live rows are compacted into
-            the next smaller captured batch size. Slot KV caches are sized for ``max_batch`` rows.
         refill: When freed slots take queued sequences: ``amortized`` (default) once the decode
             time the empty slots have cost reaches one prefill's, so several share a prefill;
             ``eager`` as soon as they free up (``scheduler.RefillTimer``). Speed only: a sequence
@@ -188,7 +190,6 @@ class FastEngine(RolloutEngine):
         fuse_weights: bool = True,
         overlap_junior: bool = True,
         rollout_dtype: str = "auto",
-        max_batch: int | None = None,
         kv_cache: Literal["slots", "paged"] = "slots",
         kv_page_size: int = 64,
         kv_cache_tokens: int | None = None,
@@ -209,9 +210,6 @@ class FastEngine(RolloutEngine):
         check_kv_cache(kv_cache, kv_page_size, kv_cache_tokens, kv_cache_gib)
         self.kv_cache, self.kv_page_size = kv_cache, kv_page_size
         self.kv_cache_tokens, self.kv_cache_gib = kv_cache_tokens, kv_cache_gib
-        if max_batch is not None and max_batch < 1:
-            raise ConfigError(f"max_batch must be >= 1 (or None: all rows at once), got {max_batch}")
-        self.max_batch = max_batch
         if kernels not in ("auto", "torch", "triton"):
             raise ConfigError(f"kernels must be 'auto', 'torch' or 'triton', got {kernels!r}")
         self.cuda_graphs = cuda_graphs
@@ -222,8 +220,9 @@ class FastEngine(RolloutEngine):
         self.overlap_junior = overlap_junior
         self.rollout_dtype = check_rollout_dtype(rollout_dtype)
 
-    def setup(self, senior: nn.Module, junior: nn.Module | None, tokenizer, junior_tokenizer=None) -> None:
-        super().setup(senior, junior, tokenizer, junior_tokenizer)
+    def setup(self, senior: nn.Module, junior: nn.Module | None, tokenizer, junior_tokenizer=None,
+              max_batch: int | None = None) -> None:
+        super().setup(senior, junior, tokenizer, junior_tokenizer, max_batch)
         self.models = {"senior": decoder_model(self.senior)}
         if junior is not None:
             self.models["junior"] = decoder_model(junior)
@@ -251,6 +250,24 @@ class FastEngine(RolloutEngine):
         if self.kv_cache == "paged":  # the pool, whatever the batch
             return self.kv_cache_tokens, self.kv_cache_gib
         return None, None
+
+    def plan_kv_cache(self, budget: KVBudget) -> str | None:
+        """Size a paged pool against the device, and say so: a pool left unsized defaults to the
+        slot caches' size; when that does not fit, it gets the positions that do (admission then
+        waits for free pages instead of the rollout running out of memory). Slot caches, or no
+        device to fit: nothing to plan."""
+        if self.kv_cache != "paged" or budget.fitting_tokens is None:
+            return None
+        tokens, fit, planned = budget.planned_tokens, budget.fitting_tokens, budget.planned_bytes
+        sized_by = "engine.kv_cache_tokens / kv_cache_gib"
+        if self.kv_cache_tokens is None and self.kv_cache_gib is None:
+            sized_by = "rollout sequences x (prompt + max_new_tokens)"
+            if 0 < fit < tokens:
+                self.kv_cache_tokens = tokens = fit
+                planned = fit * budget.bytes_per_token
+                sized_by = "what fits the GPU"
+        return (f"paged KV pool: {tokens:,} token positions, {planned / 1024**3:.1f} GiB ({sized_by}); "
+                f"{fit:,} fit beside the rest of the rollout phase")
 
     def release(self) -> None:
         """Free the KV caches, buffers and captured graphs (re-allocated and re-captured by the
@@ -443,16 +460,16 @@ class FastEngine(RolloutEngine):
             self._prefill_stream = torch.cuda.Stream(device=self.models["senior"].device)
         return self._prefill_stream
 
-    def last_timing(self) -> dict[str, float]:
+    def last_timing(self) -> EngineTiming:
         """Where the last ``generate`` spent its time: setup seconds (cache allocation and graph
         capture: zero when both are reused), prefill seconds (every refill included), decode
-        seconds and steps, the decode step time (prefills run beside decode chunks,
-        ``prefill_beside_s`` of ``prefill_s``, are decode time too); ``busy_slot_fraction``: tokens
-        written over the rows the steps paid for (live row-steps / decoded row-steps); refills
-        (admissions after decoding started) and compactions; ``prompt_width``: the widest padded
-        prompt. With ``kv_cache: paged`` also ``preemptions``, ``resumed_tokens`` (response tokens
-        preempted sequences prefilled again to go on), ``kv_pool_tokens`` (positions the pool
-        holds) and ``kv_pool_peak_fraction`` (the most of it held at once)."""
+        seconds and steps (prefills run beside decode chunks, ``prefill_beside_s`` of
+        ``prefill_s``, are decode time too); ``busy_slot_fraction``: tokens written over the rows
+        the steps paid for (live row-steps / decoded row-steps); refills (admissions after
+        decoding started) and compactions; ``prompt_width``: the widest padded prompt. With
+        ``kv_cache: paged`` also ``preemptions``, ``resumed_tokens`` (response tokens preempted
+        sequences prefilled again to go on), ``kv_pool_tokens`` (positions the pool holds) and
+        ``kv_pool_peak_fraction`` (the most of it held at once)."""
         if self._last_run is None:
             raise RuntimeError("last_timing() reports on a generate() call; none has run yet")
         return self._last_run.timing()

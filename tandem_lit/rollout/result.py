@@ -1,4 +1,6 @@
-"""A batch of graded rollouts: what a rollout phase hands to the update and to evaluation."""
+"""The step's record: a batch of graded rollouts, what a rollout phase hands to the update, to the
+step's metrics and to evaluation. It sits beside ``PromptBatch`` and ``Rollout`` (``record.py``):
+the prompts go in, the rollouts come out, and the grades join them here."""
 
 from __future__ import annotations
 
