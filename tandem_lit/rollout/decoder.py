@@ -311,7 +311,7 @@ def package_rollout(prompts: PromptBatch, out: dict[str, Tensor], tokenizer, has
         junior_draws=out["junior_draws"],
         texts=texts,
         senior_logprobs=out["logprobs"][:, :width] if has_logprobs else None,
-        start_set=out["start_sets"][:, :width] if token_sets is not None else None,
-        end_set=out["end_sets"][:, :width] if token_sets is not None else None,
+        start_set=out["start_sets"][:, :width].cpu() if token_sets is not None else None,
+        end_set=out["end_sets"][:, :width].cpu() if token_sets is not None else None,
         token_sets=token_sets,
     )

@@ -32,6 +32,7 @@ import importlib.util
 import logging
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
@@ -213,7 +214,8 @@ class PackedRows:
     ``gather``: [L] flat indices into the rows' ``[prompt | completion]`` columns; ``positions``: [L],
     restarting at 0 per sequence; ``predictors``: [C] the packed position whose hidden state
     predicts each written completion token (row by row); ``written``: [C] those tokens' flat
-    indices into ``completion_ids``; ``bounds``: [N + 1] int32 cumulative sequence lengths."""
+    indices into ``completion_ids``, and ``written_host`` the same on the host; ``bounds``: [N + 1]
+    int32 cumulative sequence lengths."""
 
     gather: Tensor
     positions: Tensor
@@ -221,6 +223,7 @@ class PackedRows:
     written: Tensor
     bounds: Tensor
     longest: int
+    written_host: Tensor
 
     @classmethod
     def of(cls, rollout: Rollout, lengths: tuple[list[int], list[int]] | None = None) -> PackedRows:
@@ -239,7 +242,8 @@ class PackedRows:
         device = rollout.completion_ids.device
         longest = max((b - a for a, b in zip(bounds, bounds[1:])), default=0)
         tensors = [to_device(torch.tensor(v, dtype=torch.long), device) for v in (gather, positions, predictors, written)]
-        return cls(*tensors, to_device(torch.tensor(bounds, dtype=torch.int32), device), longest)
+        return cls(*tensors, to_device(torch.tensor(bounds, dtype=torch.int32), device), longest,
+                   torch.tensor(written, dtype=torch.long))
 
 
 def to_device(host: Tensor, device: torch.device) -> Tensor:
@@ -301,10 +305,10 @@ def completion_logprobs(
         return logits.log_softmax(-1)
 
     codes = None
-    if rollout.token_sets is not None:  # the switches' codes, in the layout of ``completion``
-        codes = [rollout.start_set, rollout.end_set]
+    if rollout.token_sets is not None:  # the switches' codes (host tensors), in the layout of ``completion``
+        codes = [rollout.start_set.cpu(), rollout.end_set.cpu()]
         if packed:
-            codes = [c.reshape(-1)[rows.written].unsqueeze(0) for c in codes]
+            codes = [c.reshape(-1)[rows.written_host].unsqueeze(0) for c in codes]
 
     def with_switches(logp: Tensor) -> Tensor:
         if codes is not None:
@@ -333,13 +337,18 @@ def switch_terms(normalised, hidden: Tensor, start: Tensor, end: Tensor, sets: T
     """What a switch adds to each token's log-prob (``rollout.switch``): ``-log Z`` of its start set
     at its own position, and ``log Z`` of the end set at the next position (the senior's span
     ended there). ``normalised``: hidden states -> log-softmax; ``hidden`` [N, T, H]; codes [N, T];
-    only the coded positions are projected (in chunks, recomputed in backward).  # -> [N, T]"""
-    coded = (start != 0) | (end != 0)
-    where = coded.nonzero(as_tuple=True)  # one device sync: a switch's positions are few
+    only the coded positions are projected (in chunks, recomputed in backward). The codes are host
+    tensors (``Rollout.start_set``): the positions are found there, so nothing waits for the device.
+    # -> [N, T]"""
+    coded = ((start != 0) | (end != 0)).numpy()
+    host_where = np.nonzero(coded)  # (numpy: on the host, no device op)
     terms = hidden.new_zeros((2, *coded.shape), dtype=torch.float32)
-    if not where[0].numel():
+    if not host_where[0].size:
         return terms[0]
-    at, start_codes, end_codes = hidden[where], start[where], end[where]
+    where = tuple(to_device(torch.from_numpy(w).long(), hidden.device) for w in host_where)
+    host_index = tuple(torch.from_numpy(w).long() for w in host_where)
+    at = hidden[where]
+    start_codes, end_codes = (to_device(c[host_index], hidden.device) for c in (start, end))
     sets = sets.to(hidden.device)
 
     def masses(h: Tensor, s: Tensor, e: Tensor) -> Tensor:  # -> [2, n]: start and end set log-masses

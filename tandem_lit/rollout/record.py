@@ -13,6 +13,8 @@ from enum import IntEnum
 import torch
 from torch import Tensor
 
+# the per-token switch codes, kept on the host (``Rollout.start_set``)
+HOST_CODES = ("start_set", "end_set")
 
 class Author(IntEnum):
     """Who wrote a token. Stored as int8 in ``Rollout.author``."""
@@ -115,7 +117,9 @@ class Rollout:
     # [B, T] int8 switch codes, 1-based rows of ``token_sets`` (0: none): ``start_set``, the set a
     # token was drawn from after a switch; ``end_set``, the set the senior's discarded candidate
     # came from where its span ended at this position (its mass scores the token before). None,
-    # with ``token_sets`` [K, V] bool: no draw of these rollouts was restricted (``rollout.switch``)
+    # with ``token_sets`` [K, V] bool: no draw of these rollouts was restricted (``rollout.switch``).
+    # The codes live on the host, wherever the rest is: the update finds the few switch positions
+    # there, so projecting only those positions never waits for the device (``logprobs.switch_terms``)
     start_set: Tensor | None = None
     end_set: Tensor | None = None
     token_sets: Tensor | None = None
@@ -146,14 +150,17 @@ class Rollout:
                 "truncated", "handoffs", "decisions", "junior_draws",
             )
         }
-        per_token = {name: getattr(self, name)[index] if getattr(self, name) is not None else None
-                     for name in ("senior_logprobs", "start_set", "end_set")}
+        per_token = {"senior_logprobs": self.senior_logprobs[index] if self.senior_logprobs is not None else None}
+        host_rows = torch.as_tensor(rows, dtype=torch.long)
+        per_token.update({name: getattr(self, name)[host_rows] if getattr(self, name) is not None else None
+                          for name in HOST_CODES})
         return Rollout(**picked, texts=[self.texts[i] for i in rows], **per_token, token_sets=self.token_sets)
 
     def to(self, device: torch.device | str) -> Rollout:
         """The same rollouts on ``device`` (host copies travel between ranks: a pickled CUDA tensor
         would come back on the sender's GPU)."""
-        moved = {name: value.to(device) for name, value in vars(self).items() if isinstance(value, Tensor)}
+        moved = {name: value.to(device) for name, value in vars(self).items()
+                 if isinstance(value, Tensor) and name not in HOST_CODES}
         return replace(self, **moved)
 
     def trimmed(self, first: int | None = None, width: int | None = None) -> Rollout:
@@ -213,7 +220,7 @@ def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
         raise ValueError("rollouts with different handoff token sets cannot be stacked (their switch codes differ)")
     codes = {}
     for name in ("start_set", "end_set"):
-        codes[name] = pad_to([getattr(p, name) if getattr(p, name) is not None else torch.zeros_like(p.author)
+        codes[name] = pad_to([getattr(p, name).cpu() if getattr(p, name) is not None else torch.zeros(p.author.shape, dtype=torch.int8)
                               for p in parts], completion_width, 0, left=False) if tables else None
     return Rollout(
         prompt_ids=pad_to([p.prompt_ids for p in parts], prompt_width, pad_token_id, left=True),

@@ -262,8 +262,8 @@ class TextHandoffEngine(RolloutEngine):
             junior_draws=torch.tensor([r.junior_draws for r in rows], device=device),
             texts=self.tokenizer.batch_decode([r.ids for r in rows], skip_special_tokens=True),
             senior_logprobs=logprobs.to(device) if senior_wrote else None,
-            start_set=starts.to(device) if sets is not None else None,
-            end_set=ends.to(device) if sets is not None else None,
+            start_set=starts if sets is not None else None,
+            end_set=ends if sets is not None else None,
             token_sets=sets.to(device) if sets is not None else None,
         )
 
