@@ -33,3 +33,8 @@ class LogprobGapError(TandemLitError):
 
 class MissingDependencyError(TandemLitError, ImportError):
     """An optional dependency the chosen component needs is not installed."""
+
+
+class RunWriteError(TandemLitError, OSError):
+    """A file of the run cannot be written (disk full, read only, quota): what is already saved is
+    whole, and the line says which checkpoint a resume starts from (``tandem_lit.write_faults``)."""
