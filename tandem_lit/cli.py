@@ -44,7 +44,13 @@ from tandem_lit.training.callbacks import (
     TandemProgressBar,
     check_checkpoint,
 )
-from tandem_lit.training.distributed import FSDP2Strategy, external_launch, launch_rank, launch_settings
+from tandem_lit.training.distributed import (
+    FSDP2Strategy,
+    external_launch,
+    launch_rank,
+    launch_settings,
+    process_group_error,
+)
 from tandem_lit.training.module import TandemModule  # noqa: F401  (short class_path names)
 from tandem_lit.training.sft import SFTModel  # noqa: F401
 from tandem_lit.write_faults import run_write_error
@@ -290,7 +296,8 @@ def main(args: list[str] | None = None) -> None:
     except SIGTERMException as err:  # a graceful stop: GracefulStop saved the run and said so
         raise SystemExit(128 + int(getattr(err, "signum", 15))) from None
     except Exception as err:
-        cause = user_error(err) or run_write_error(err)  # a full disk, a read-only run folder: one line
+        # a full disk, a read-only run folder, a port in use, a rank that died: one line each
+        cause = user_error(err) or run_write_error(err) or process_group_error(err)
         message = str(cause) if cause is not None else refused_by_dependency(err)
         if message is None and isinstance(err, argparse.ArgumentError):
             message = config_error_line(err)

@@ -38,3 +38,8 @@ class MissingDependencyError(TandemLitError, ImportError):
 class RunWriteError(TandemLitError, OSError):
     """A file of the run cannot be written (disk full, read only, quota): what is already saved is
     whole, and the line says which checkpoint a resume starts from (``tandem_lit.write_faults``)."""
+
+
+class ProcessGroupError(TandemLitError, RuntimeError):
+    """The processes of a run cannot meet (a port in use) or one of them stopped: the others stop
+    with this line instead of a collective's traceback."""

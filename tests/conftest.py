@@ -22,6 +22,11 @@ SMALL_ALPHABET = "abcde .\n"
 torch.set_num_threads(1)  # the CI machine is small and shared; tiny models gain nothing from threads
 
 
+def pytest_configure(config) -> None:
+    # (counted or selected with -m multiprocess: each starts gloo processes, the slowest tests on CPU)
+    config.addinivalue_line("markers", "multiprocess: runs several processes (gloo on CPU) through a launcher")
+
+
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO_ROOT

@@ -24,6 +24,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from tandem_lit.errors import ConfigError
 from tandem_lit.runs import log_artifact
+from tandem_lit.training.distributed import check_same_config
 from tandem_lit.training.sharded import META, is_sharded_checkpoint, read_sharded
 from tandem_lit.write_faults import fault_line, write_atomically, write_fault
 
@@ -297,6 +298,8 @@ class SaveConfigToRun(SaveConfigCallback):
     """
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if trainer.world_size > 1 and torch.distributed.is_initialized():  # every rank here, before the first collective of a step
+            check_same_config(self.config.as_dict())
         if self.already_saved or not trainer.is_global_zero:
             return
         path = Path(trainer.default_root_dir) / self.config_filename
