@@ -218,6 +218,8 @@ def configure_logs() -> None:
     # main(args=[...]) and build_cli(args) are the programmatic API: the arguments given are the run's,
     # whatever the host process's own argv (pytest's, a notebook's) holds
     warnings.filterwarnings("ignore", message=r"LightningCLI's args parameter is intended", module=r"lightning\..*")
+    # on several processes every rank logs the totals already merged over ranks (evaluation.report.merge_totals)
+    warnings.filterwarnings("ignore", message=r".*sync_dist=True.* when logging on epoch level in distributed")
     # accelerator: cpu on a machine with a GPU is a choice the config made
     warnings.filterwarnings("ignore", message=r"GPU available but not used", module=r"lightning\..*")
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # read when mlflow configures its loggers

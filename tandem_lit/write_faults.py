@@ -26,6 +26,8 @@ FAULTS = {
     errno.EACCES: ("permission denied", "make the run folder writable"),
     errno.EPERM: ("permission denied", "make the run folder writable"),
     errno.EIO: ("an I/O error of the disk", "check the disk"),
+    # (a checkpoint is pickled in host memory before it reaches the disk; AtomicCheckpointIO only)
+    MemoryError: ("out of host memory", "free memory on the host (fewer processes or workers beside the run)"),
 }
 
 # SQLite's own words for the same faults (MLflow's store), which carry no errno
@@ -76,7 +78,7 @@ def describe_checkpoint(last: Path) -> tuple[str, bool]:
         return "no checkpoint was saved yet", False
 
 
-def fault_line(code: int, what: str, run_folder: str | Path | None, checkpoint: Path | None = None) -> RunWriteError:
+def fault_line(code: int | type, what: str, run_folder: str | Path | None, checkpoint: Path | None = None) -> RunWriteError:
     """The one line for a write of ``what`` that failed with ``code``."""
     reason, fix = FAULTS[code]
     if checkpoint is None and run_folder is not None:

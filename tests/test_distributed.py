@@ -542,6 +542,7 @@ def test_tandem_lit_test_under_torchrun_reports_what_one_process_reports(tmp_pat
     assert two.returncode == 0, two.stderr[-3000:]
     assert report(tmp_path / "two") == report(tmp_path / "one") and report(tmp_path / "one")["set0"]["problems"] == 8
     assert not (tmp_path / "two-2").exists()
+    assert "sync_dist" not in two.stderr  # (Lightning's advice per metric: the ranks log totals already merged)
 
 
 class DieOnRank(L.Callback):

@@ -186,9 +186,11 @@ def faulty_writes(monkeypatch, matches, fault: int) -> None:
     monkeypatch.setattr(builtins, "open", opened)
 
 
-def test_a_checkpoint_write_that_finds_the_disk_full_keeps_the_last_one_and_says_so(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("fault", ["no space left on the device", "out of host memory"])
+def test_a_checkpoint_write_that_finds_the_disk_full_keeps_the_last_one_and_says_so(tmp_path, capsys, monkeypatch, fault):
     """torch's zip writer reports a full disk as a RuntimeError over the OSError: the second
-    checkpoint (update 4) fails half-way; update 2's stays, whole, and the run resumes from it."""
+    checkpoint (update 4) fails half-way; update 2's stays, whole, and the run resumes from it.
+    The same when the host runs out of memory while the checkpoint is pickled."""
     root = tmp_path / "run"
     real_save, saves = torch.save, []
 
@@ -197,6 +199,8 @@ def test_a_checkpoint_write_that_finds_the_disk_full_keeps_the_last_one_and_says
         if len(saves) < 2:
             return real_save(obj, f, *args, **kwargs)
         f.write(b"PK\x03\x04 half a checkpoint")
+        if fault == "out of host memory":
+            raise MemoryError()
         try:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         except OSError:
@@ -208,7 +212,7 @@ def test_a_checkpoint_write_that_finds_the_disk_full_keeps_the_last_one_and_says
     assert stopped.value.code == 2
     last = root / "checkpoints" / "last.ckpt"
     line = the_line(capsys.readouterr().err)
-    assert line.startswith(f"tandem-lit: error: cannot write checkpoint {last}: no space left on the device. ")
+    assert line.startswith(f"tandem-lit: error: cannot write checkpoint {last}: {fault}. ")
     assert f"{last} (update 2) is intact" in line and line.endswith(f"then resume with --ckpt_path {last}")
     monkeypatch.setattr(torch, "save", real_save)
     assert_saved_runs_are_whole(root, 2)

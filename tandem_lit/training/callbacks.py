@@ -104,10 +104,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             os.replace(partial, path)
         except Exception as err:  # torch's zip writer wraps the OSError of a full disk in a RuntimeError
             fault = write_fault(err)
-            if fault is None:
+            code = fault[0] if fault else MemoryError if isinstance(err, MemoryError) else None
+            if code is None:
                 raise
             partial.unlink(missing_ok=True)  # (frees the space it took before the line reads the last one)
-            raise fault_line(fault[0], f"checkpoint {path}", None, path.parent / "last.ckpt") from err
+            raise fault_line(code, f"checkpoint {path}", None, path.parent / "last.ckpt") from err
         finally:
             partial.unlink(missing_ok=True)
 
