@@ -11,8 +11,8 @@ from __future__ import annotations
 import builtins
 import errno
 import io
-import os
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from tandem_lit.cli import main
-from tandem_lit.training import callbacks
 
-pytestmark = [pytest.mark.filterwarnings("ignore:No seed found"), pytest.mark.usefixtures("in_repo")]
+pytestmark = [pytest.mark.filterwarnings("ignore:No seed found"), pytest.mark.usefixtures("in_repo"),
+              pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
 FAST = [
     "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
@@ -125,7 +125,7 @@ def test_a_disk_that_fills_mid_run_ends_in_one_line_and_the_run_resumes(small_di
         fit(root, *at_step("FillDisk", 2, small_disk))
     assert stopped.value.code == 2
     line = the_line(capsys.readouterr().err)
-    assert "no space left on the device" in line and f"cannot write " in line
+    assert "no space left on the device" in line and "cannot write " in line
     assert f"{root / 'checkpoints' / 'last.ckpt'} (update 2) is intact" in line
     assert line.endswith(f"then resume with --ckpt_path {root / 'checkpoints' / 'last.ckpt'}")
     assert_saved_runs_are_whole(root, 2)
@@ -242,7 +242,7 @@ def test_a_full_disk_keeps_a_resumed_runs_history_and_completions_whole(tmp_path
     history, completions = (root / "history.jsonl").read_text(), (root / "completions.jsonl").read_text()
     for name in ("completions.jsonl", "history.jsonl"):
         with monkeypatch.context() as patched:
-            faulty_writes(patched, lambda path: name in path.name, errno.ENOSPC)
+            faulty_writes(patched, lambda path, name=name: name in path.name, errno.ENOSPC)
             capsys.readouterr()
             with pytest.raises(SystemExit):
                 fit(root, *resume)
@@ -252,3 +252,38 @@ def test_a_full_disk_keeps_a_resumed_runs_history_and_completions_whole(tmp_path
         if name == "completions.jsonl":  # the step that failed added nothing
             assert (root / "completions.jsonl").read_text() == completions
         assert all(json.loads(line) for line in (root / "completions.jsonl").read_text().splitlines())
+
+
+@pytest.mark.parametrize("where", ["shards", "metadata"])
+def test_a_sharded_checkpoint_that_finds_the_disk_full_leaves_the_last_one_and_its_space(tmp_path, monkeypatch, where):
+    """``checkpoint.sharded``: a save whose shards (DCP, which reports every rank's error in a
+    CheckpointException) or whose metadata (rank 0) meet a full disk removes its partial folder,
+    so the space comes back, and raises the disk's error; ``last.ckpt`` still points at the
+    previous checkpoint, whole. (One process here: the ranks' agreement is DCP's collective and
+    the broadcast of rank 0's error.)"""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from tandem_lit.training import sharded
+    from tandem_lit.training.callbacks import read_checkpoint
+
+    def save(step: int) -> None:
+        checkpoint = {"global_step": step, "state_dict": {"w": torch.full((4,), float(step))}, "optimizer_states": []}
+        sharded.save_sharded(checkpoint, tmp_path / "last.ckpt", 0, lambda value: value, lambda: None)
+
+    save(1)
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    if where == "shards":
+        def dcp_save(state, checkpoint_id):
+            (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"half")
+            raise CheckpointException("save failed", {0: (full, None)})
+        monkeypatch.setattr(sharded.dcp, "save", dcp_save)
+    else:
+        def torch_save(obj, f, *args, **kwargs):
+            raise full
+        monkeypatch.setattr(sharded.torch, "save", torch_save)
+    with pytest.raises(OSError) as stopped:
+        save(2)
+    assert stopped.value.errno == errno.ENOSPC
+    assert not list(tmp_path.glob(".last.ckpt.*")), "the partial folder is removed"
+    assert os.readlink(tmp_path / "last.ckpt").startswith("last.ckpt.1-")
+    assert torch.equal(read_checkpoint(tmp_path / "last.ckpt")["state_dict"]["w"], torch.full((4,), 1.0))

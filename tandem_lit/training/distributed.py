@@ -45,7 +45,7 @@ from tandem_lit.errors import ConfigError, ProcessGroupError
 from tandem_lit.rollout.logprobs import last_hidden_state
 from tandem_lit.rollout.weights import is_sharded, plain_model
 from tandem_lit.training.sharded import is_sharded_checkpoint, load_sharded_into, remove_sharded, save_sharded
-from tandem_lit.write_faults import run_write_error
+from tandem_lit.write_faults import fault_line, run_write_error, write_fault
 
 # metrics that add up over ranks (counts, throughput) or take the largest; the rest are means
 # (``loss``: each rank's part of the batch-wide normalised loss; counts every rank takes of the
@@ -76,7 +76,14 @@ class FSDP2Strategy(ModelParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any = None) -> None:
         if not self.sharded_checkpoints:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
-        save_sharded(checkpoint, Path(self.broadcast(str(filepath))), self.global_rank, self.broadcast, self.barrier)
+        path = Path(self.broadcast(str(filepath)))
+        try:
+            save_sharded(checkpoint, path, self.global_rank, self.broadcast, self.barrier)
+        except Exception as err:  # a full disk, a read-only folder: every rank stops with one line
+            fault = write_fault(err)
+            if fault is None:
+                raise
+            raise fault_line(fault[0], f"checkpoint {path}", None, path.parent / "last.ckpt") from err
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
