@@ -233,7 +233,7 @@ def check_same_config(config: dict[str, Any]) -> None:
             return {k: v for key, item in value.items() for k, v in flat(item, f"{prefix}{key}.").items()}
         return {prefix.rstrip("."): repr(value)}
 
-    mine = {k: v for k, v in flat(config).items() if not k.startswith(PER_RANK_SETTINGS)}
+    mine = {k: v for k, v in flat(config).items() if not any(k == s or k.startswith(f"{s}.") for s in PER_RANK_SETTINGS)}
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     differ = [(rank, key, every[0].get(key, "unset"), theirs.get(key, "unset")) for rank, theirs in enumerate(every)
