@@ -602,3 +602,12 @@ def test_ranks_started_with_different_configs_stop_with_one_line(tmp_path):
     assert "the ranks were started with different configs (rank 1 has model.init_args.optimizer.init_args.lr=0.1 where " \
            "rank 0 has 0.5)" in line
     assert process.stderr.count("tandem-lit: error:") == 2  # each rank says it: neither waits for the other
+
+
+def test_a_broken_pipe_outside_torch_distributed_is_not_taken_for_a_lost_rank():
+    from tandem_lit.training.distributed import process_group_error
+
+    try:
+        raise RuntimeError("[Errno 32] Broken pipe")  # (a grader's or a sandbox's pipe, say)
+    except RuntimeError as err:
+        assert process_group_error(err) is None

@@ -199,6 +199,8 @@ def process_group_error(err: BaseException) -> ProcessGroupError | None:
     from tandem_lit.write_faults import chain, describe_checkpoint
 
     for link in chain(err):
+        if not raised_by_torch_distributed(link):  # (a broken pipe elsewhere is something else)
+            continue
         text = str(link)
         if "EADDRINUSE" in text or "address already in use" in text.lower():
             port = re.search(r"port: (\d+)", text)
@@ -217,6 +219,15 @@ def process_group_error(err: BaseException) -> ProcessGroupError | None:
                 f"output says why (no line at all: it was killed, e.g. for lack of memory); {then}"
             )
     return None
+
+
+def raised_by_torch_distributed(err: BaseException) -> bool:
+    frame = err.__traceback__
+    while frame is not None:
+        if f"{os.sep}torch{os.sep}distributed{os.sep}" in frame.tb_frame.f_code.co_filename:
+            return True
+        frame = frame.tb_next
+    return False
 
 
 # settings that differ between ranks by design: rank 0 alone logs; the --config files may sit at
