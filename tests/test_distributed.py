@@ -524,9 +524,9 @@ def test_the_train_step_benchmark_runs_on_two_processes(tmp_path):
     assert step["rollout_seconds"] > 0 and step["update_seconds"] > 0 and step["update_trained_tokens"] > 0
 
 
-def test_tandem_lit_test_under_torchrun_reports_what_one_process_reports(tmp_path):
-    """``torchrun ... -m tandem_lit test``: the ranks split the problems and rank 0 writes one
-    report, the one-process report."""
+def test_tandem_lit_test_under_torchrun_and_srun_reports_what_one_process_reports(tmp_path):
+    """``torchrun ... -m tandem_lit test`` and srun's tasks: the ranks split the problems and rank 0
+    writes one report, the one-process report."""
     def report(root: Path) -> dict:
         return json.loads((root / "eval" / "results.json").read_text())["datasets"]
 
@@ -542,6 +542,11 @@ def test_tandem_lit_test_under_torchrun_reports_what_one_process_reports(tmp_pat
     assert two.returncode == 0, two.stderr[-3000:]
     assert report(tmp_path / "two") == report(tmp_path / "one") and report(tmp_path / "one")["set0"]["problems"] == 8
     assert not (tmp_path / "two-2").exists()
+    port = free_port()  # as srun starts 2 tasks
+    tasks = together([([sys.executable, "-m", "tandem_lit", *settings, "--trainer.strategy", "fsdp", "--trainer.default_root_dir",
+                        str(tmp_path / "srun")], slurm_env(rank, 2, port)) for rank in range(2)])
+    assert tasks.returncode == 0, tasks.stderr[-3000:]
+    assert report(tmp_path / "srun") == report(tmp_path / "one")
     assert "sync_dist" not in two.stderr  # (Lightning's advice per metric: the ranks log totals already merged)
 
 
