@@ -690,7 +690,9 @@ def main() -> None:
         args.max_new_tokens = args.max_new_tokens or 8
     args.prompts = args.prompts or config.get("data", {}).get("init_args", {}).get("batch_size", 16)
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
+        # one folder for every rank: Lightning starts ranks > 0 by running this script again, with
+        # rank 0's environment (each would otherwise write into a temporary folder of its own)
+        root = Path(os.environ.setdefault("TANDEM_LIT_BENCHMARK_FOLDER", tmp))
         if args.estimate_only:
             estimate_only(model_args, trainer_args, args, root)
             return

@@ -44,9 +44,16 @@ from tandem_lit.training.callbacks import (
     TandemProgressBar,
     check_checkpoint,
 )
-from tandem_lit.training.distributed import FSDP2Strategy, external_launch, launch_rank, launch_settings
+from tandem_lit.training.distributed import (
+    FSDP2Strategy,
+    external_launch,
+    launch_rank,
+    launch_settings,
+    process_group_error,
+)
 from tandem_lit.training.module import TandemModule  # noqa: F401  (short class_path names)
 from tandem_lit.training.sft import SFTModel  # noqa: F401
+from tandem_lit.write_faults import run_write_error
 
 RUN_FOLDER_ENV = "TANDEM_LIT_RUN_FOLDER"
 
@@ -201,6 +208,9 @@ def configure_logs() -> None:
     (``TandemModule.on_fit_start``)."""
     _drop("lightning.pytorch.utilities.rank_zero", "💡 Tip")
     _drop("lightning.pytorch.loggers.mlflow", "not found. Creating it")  # a new run folder's first run
+    # MLflow logs a database error's traceback before raising it: main() prints the one line (or the
+    # traceback, for what is not a fault of the disk)
+    _drop("mlflow.store.db.utils", "SQLAlchemy database error")
     warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")  # the frozen junior, on purpose
     # we want the post-update state in a checkpoint (global_step counts updates already made)
     warnings.filterwarnings("ignore", message=r".*ModelCheckpoint with manual optimization.*")
@@ -208,6 +218,8 @@ def configure_logs() -> None:
     # main(args=[...]) and build_cli(args) are the programmatic API: the arguments given are the run's,
     # whatever the host process's own argv (pytest's, a notebook's) holds
     warnings.filterwarnings("ignore", message=r"LightningCLI's args parameter is intended", module=r"lightning\..*")
+    # on several processes every rank logs the totals already merged over ranks (evaluation.report.merge_totals)
+    warnings.filterwarnings("ignore", message=r".*sync_dist=True.* when logging on epoch level in distributed")
     # accelerator: cpu on a machine with a GPU is a choice the config made
     warnings.filterwarnings("ignore", message=r"GPU available but not used", module=r"lightning\..*")
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # read when mlflow configures its loggers
@@ -274,7 +286,8 @@ def run_folder_of(checkpoint: str | Path) -> Path | None:
 def main(args: list[str] | None = None) -> None:
     """The ``tandem-lit`` console command; tests call ``main(args=[...])``.
 
-    A user-fixable error (``TandemLitError``) ends the run with one line on stderr and exit code 2.
+    A user-fixable error (``TandemLitError``, or a file of the run that cannot be written: a full
+    disk, a read-only folder) ends the run with one line on stderr and exit code 2.
     """
     command = sys.argv[1:] if args is None else args
     try:
@@ -285,7 +298,8 @@ def main(args: list[str] | None = None) -> None:
     except SIGTERMException as err:  # a graceful stop: GracefulStop saved the run and said so
         raise SystemExit(128 + int(getattr(err, "signum", 15))) from None
     except Exception as err:
-        cause = user_error(err)
+        # a full disk, a read-only run folder, a port in use, a rank that died: one line each
+        cause = user_error(err) or run_write_error(err) or process_group_error(err)
         message = str(cause) if cause is not None else refused_by_dependency(err)
         if message is None and isinstance(err, argparse.ArgumentError):
             message = config_error_line(err)

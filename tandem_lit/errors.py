@@ -66,3 +66,18 @@ class JudgeAuthError(ConfigError):
 
 class SandboxRefusedError(ConfigError):
     """The sandbox cannot apply a protection on this machine, and it was not allowed to be missing."""
+
+
+class RunWriteError(TandemLitError, OSError):
+    """A file of the run cannot be written (disk full, read only, quota): what is already saved is
+    whole, and the line says which checkpoint a resume starts from (``tandem_lit.write_faults``)."""
+
+
+class ProcessGroupError(TandemLitError, RuntimeError):
+    """The processes of a run cannot meet (a port in use) or one of them stopped: the others stop
+    with this line instead of a collective's traceback."""
+
+
+class JudgeUnavailableError(ConfigError):
+    """The judge server has not answered ``give_up_after`` requests in a row: it went away,
+    and the run would otherwise go on without its bonus for good."""

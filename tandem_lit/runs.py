@@ -13,6 +13,8 @@ from typing import Any
 
 import lightning as L
 
+from tandem_lit.write_faults import write_atomically
+
 RUN_RECORD = "run.json"
 
 
@@ -36,7 +38,7 @@ def start_run_record(trainer: L.Trainer, run_id: str | None) -> str:
     if trainer.is_global_zero:
         folder = Path(trainer.default_root_dir)
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / RUN_RECORD).write_text(json.dumps({"run_id": run_id, "mlflow_run_id": mlflow_id}) + "\n")
+        write_atomically(folder / RUN_RECORD, json.dumps({"run_id": run_id, "mlflow_run_id": mlflow_id}) + "\n")
     return run_id
 
 

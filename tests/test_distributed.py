@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
@@ -26,6 +27,8 @@ import yaml
 from tandem_lit.errors import ConfigError
 from tandem_lit.training.callbacks import check_checkpoint, read_checkpoint
 from tandem_lit.training.distributed import balance, check_run_folder, rank_rows, reduce_metrics
+
+pytestmark = pytest.mark.multiprocess
 
 REPO = Path(__file__).resolve().parents[1]
 SHARDED = ("--checkpoint.sharded", "true")
@@ -51,10 +54,11 @@ LORA = ("--model.init_args.lora", "{r: 4, alpha: 8, dropout: 0.0}")
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """This environment without a launcher's variables; the processes import this checkout."""
+    """This environment without a launcher's variables; the processes import this checkout (and
+    the callbacks of these tests)."""
     launcher = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "TANDEM_LIT_RUN_FOLDER", "MASTER_ADDR", "MASTER_PORT")
     env = {k: v for k, v in os.environ.items() if k not in launcher and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
-    return {**env, "PYTHONPATH": os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]), **extra}
+    return {**env, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")]), **extra}
 
 
 def fit_args(root: Path, updates: int, *extra: str) -> list[str]:
@@ -502,3 +506,113 @@ def test_activation_checkpointing_under_fsdp_gives_the_one_process_gradient():
         mp.spawn(_checkpointed_worker, args=(2, 29_000 + (os.getpid() + 500) % 1000, results), nprocs=2)
         outcome = dict(results)
     assert set(outcome) == {0, 1} and max(outcome.values()) < 1e-6, outcome
+
+
+# -- the documented multi-process commands not run above, and how a launch fails ---------------------
+
+
+def test_the_train_step_benchmark_runs_on_two_processes(tmp_path):
+    """``benchmarks/train_step.py --devices 2 --strategy fsdp`` (docs/distributed.md): every rank
+    writes into one run folder, which the script never created (the run-folder check makes it)."""
+    out = tmp_path / "train_step.json"
+    process = subprocess.run(
+        [sys.executable, "benchmarks/train_step.py", "--device", "cpu", "--tiny", "--devices", "2", "--strategy", "fsdp",
+         "--arms", "grpo", "--json", str(out)], cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300,
+    )
+    assert process.returncode == 0, process.stderr[-3000:]
+    (step,) = json.loads(out.read_text())["arms"]["grpo"]["steps"]
+    assert step["rollout_seconds"] > 0 and step["update_seconds"] > 0 and step["update_trained_tokens"] > 0
+
+
+def test_tandem_lit_test_under_torchrun_and_srun_reports_what_one_process_reports(tmp_path):
+    """``torchrun ... -m tandem_lit test`` and srun's tasks: the ranks split the problems and rank 0
+    writes one report, the one-process report."""
+    def report(root: Path) -> dict:
+        return json.loads((root / "eval" / "results.json").read_text())["datasets"]
+
+    settings = ["test", "--config", "configs/gsm8k_tiny.yaml", "--data.init_args.test_limit", "8",
+                "--model.init_args.evaluation.test_sampling.max_new_tokens", "8", "--trainer.enable_progress_bar", "false"]
+    one = subprocess.run([sys.executable, "-m", "tandem_lit", *settings, "--trainer.default_root_dir", str(tmp_path / "one")],
+                         cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = together([(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+         "--master_port", str(free_port()), "-m", "tandem_lit", *settings, "--trainer.strategy", "fsdp",
+         "--trainer.default_root_dir", str(tmp_path / "two")], clean_env())])
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert report(tmp_path / "two") == report(tmp_path / "one") and report(tmp_path / "one")["set0"]["problems"] == 8
+    assert not (tmp_path / "two-2").exists()
+    port = free_port()  # as srun starts 2 tasks
+    tasks = together([([sys.executable, "-m", "tandem_lit", *settings, "--trainer.strategy", "fsdp", "--trainer.default_root_dir",
+                        str(tmp_path / "srun")], slurm_env(rank, 2, port)) for rank in range(2)])
+    assert tasks.returncode == 0, tasks.stderr[-3000:]
+    assert report(tmp_path / "srun") == report(tmp_path / "one")
+    assert "sync_dist" not in two.stderr  # (Lightning's advice per metric: the ranks log totals already merged)
+
+
+class DieOnRank(L.Callback):
+    """Ends rank ``rank`` at once (no line, as a process killed for memory) when its training step
+    ``step`` (0-based) begins."""
+
+    def __init__(self, rank: int, step: int):
+        self.rank, self.step = rank, step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_rank == self.rank and batch_idx == self.step:
+            os._exit(3)
+
+
+def stop_line(process: subprocess.CompletedProcess) -> str:
+    lines = [line for line in process.stderr.splitlines() if line.startswith("tandem-lit: error:")]
+    assert lines, process.stderr[-3000:]
+    assert len(set(lines)) == 1, lines  # (every rank that says something says the same)
+    assert "Traceback" not in process.stderr, process.stderr[-3000:]
+    return lines[0]
+
+
+def test_a_rank_that_dies_stops_rank_0_with_one_line_naming_the_checkpoint_to_resume(tmp_path):
+    root = tmp_path / "run"
+    die = json.dumps([{"class_path": "test_distributed.DieOnRank", "init_args": {"rank": 1, "step": 1}}])
+    process = run(root, 2, 4, "--trainer.callbacks", die)
+    assert process.returncode == 2, process.stderr[-3000:]
+    line = stop_line(process)
+    assert "another process of this run stopped, so this one (rank 0) cannot go on" in line
+    assert line.endswith(f"{root / 'checkpoints' / 'last.ckpt'} (update 2) is intact: resume with --ckpt_path "
+                         f"{root / 'checkpoints' / 'last.ckpt'}")
+
+
+def test_a_port_in_use_is_one_line(tmp_path):
+    """srun's tasks meet on MASTER_PORT (Lightning derives it from the job id when unset): another
+    program listening there stops rank 0 at once, with one line."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        command = [sys.executable, "-m", "tandem_lit", *fit_args(tmp_path / "run", 2, "--trainer.strategy", "fsdp")]
+        process = subprocess.run(command, cwd=REPO, env=slurm_env(0, 2, port), capture_output=True, text=True, timeout=300)
+    assert process.returncode == 2, process.stderr[-3000:]
+    assert stop_line(process).endswith(f"the port rank 0 listens on ({port}, MASTER_PORT) is in use (another run on this "
+                                       "machine?): set MASTER_PORT to a free port, or (torchrun) pass another --master_port")
+
+
+def test_ranks_started_with_different_configs_stop_with_one_line(tmp_path):
+    """Two srun tasks, one given another learning rate (a config file edited on one node): without
+    the check each would train on, each with its own settings."""
+    port = free_port()
+    command = [sys.executable, "-m", "tandem_lit", *fit_args(tmp_path / "run", 2, "--trainer.strategy", "fsdp")]
+    process = together([(command + ["--model.init_args.optimizer.init_args.lr", "0.1"] * rank, slurm_env(rank, 2, port))
+                        for rank in range(2)])
+    assert process.returncode == 2, process.stderr[-3000:]
+    line = stop_line(process)
+    assert "the ranks were started with different configs (rank 1 has model.init_args.optimizer.init_args.lr=0.1 where " \
+           "rank 0 has 0.5)" in line
+    assert process.stderr.count("tandem-lit: error:") == 2  # each rank says it: neither waits for the other
+
+
+def test_a_broken_pipe_outside_torch_distributed_is_not_taken_for_a_lost_rank():
+    from tandem_lit.training.distributed import process_group_error
+
+    try:
+        raise RuntimeError("[Errno 32] Broken pipe")  # (a grader's or a sandbox's pipe, say)
+    except RuntimeError as err:
+        assert process_group_error(err) is None

@@ -27,6 +27,8 @@ from test_distributed import REPO, assert_same_weights, clean_env, fit_args, fre
 from tandem_lit.errors import ConfigError
 from tandem_lit.training.callbacks import read_checkpoint
 
+pytestmark = pytest.mark.multiprocess
+
 TASK = ["--data", "dynamic_sampling_task.LetterRows", "--model.init_args.verifier", "dynamic_sampling_task.LetterVerifier",
         "--trainer.callbacks+", "dynamic_sampling_task.TrainedGroups", "--model.init_args.rollout.max_prompt_tokens", "40",
         "--model.init_args.update.max_idle_steps", "1"]

@@ -24,6 +24,7 @@ from tandem_lit.verifiers.judge import (
     HTTPJudge,
     Judge,
     JudgeAuthError,
+    JudgeUnavailableError,
     TransformersJudge,
     load_template,
     parse_verdict,
@@ -301,6 +302,31 @@ def test_unreachable_server_costs_the_bonus(key):
     grade = verifier.grade("symmetry \\boxed{1}", answer="1", problem=PROBLEM)
     assert grade.reward == 1.0 and grade.labels["judge_failure_rate"] == 1.0
     assert judge.failures["error"] == 1 and "cannot reach" in judge.recent_failures[-1][1]
+
+
+def test_a_judge_server_that_goes_away_mid_run_stops_the_run_in_one_line(key):
+    """A few failures cost their bonus and training goes on; a server that answers nothing for
+    ``give_up_after`` requests in a row is gone, and the run stops instead of training on
+    without the bonus for good."""
+    with StandinJudge(key) as standin:
+        judge = http_judge(standin, max_retries=1, give_up_after=3)
+        verifier = EleganceVerifier(BoxedVerifier(), judge)
+        assert verifier.grade("symmetry \\boxed{1}", answer="1", problem=PROBLEM).labels["elegance_rate"] == 1.0
+    for i in range(2):  # (each solution its own, so no cached verdict answers)
+        grade = verifier.grade(f"case {i} \\boxed{{1}}", answer="1", problem=PROBLEM)
+        assert grade.reward == 1.0 and grade.labels["judge_failure_rate"] == 1.0
+    with pytest.raises(JudgeUnavailableError) as stopped:
+        verifier.grade("case 2 \\boxed{1}", answer="1", problem=PROBLEM)
+    assert isinstance(stopped.value, ConfigError) and "\n" not in str(stopped.value)
+    assert str(stopped.value).startswith("the judge server has not answered 3 requests in a row (the last: cannot reach")
+    # an answer in between starts the count again (a 500 with no retry left counts as not answered)
+    with StandinJudge(key) as flaky:
+        judge = http_judge(flaky, max_retries=0, give_up_after=2)
+        assert judge.judge(PROBLEM, "flaky a").failure == "error"
+        assert judge.judge(PROBLEM, "symmetry").elegant is True
+        assert judge.judge(PROBLEM, "flaky b").failure == "error"
+    with pytest.raises(JudgeUnavailableError, match="not answered 2 requests in a row"):
+        judge.judge(PROBLEM, "case c")
 
 
 def test_rejected_key_raises_naming_the_variable(server, monkeypatch, caplog):

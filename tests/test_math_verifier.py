@@ -342,6 +342,26 @@ def test_pool_timeout_crash_and_error_cost_only_their_call(helper_module):
     assert pool.alive == 0
 
 
+def test_a_pool_whose_workers_keep_dying_stops_in_one_line(helper_module):
+    """A crash here and there costs its call; calls that all lose their worker (killed from
+    outside, e.g. by the out-of-memory killer) stop the run rather than reward 0 from then on."""
+    from tandem_lit.errors import TandemLitError
+    from tandem_lit.verifiers.workers import WorkersLostError
+
+    pool = WorkerPool("pool_helpers:factory", size=1, timeout_s=5.0, crash_limit=3)
+    try:
+        statuses = [r.status for r in pool.run([("exit", 0), ("exit", 0), ("double", 1), ("exit", 0), ("exit", 0)])]
+        assert statuses == ["crashed", "crashed", "ok", "crashed", "crashed"]
+        with pytest.raises(WorkersLostError) as stopped:
+            pool.run([("exit", 0)] * 4)
+        assert isinstance(stopped.value, TandemLitError) and "\n" not in str(stopped.value)
+        assert str(stopped.value).startswith("the worker processes of pool_helpers:factory keep dying: the last 3 calls "
+                                             "each lost theirs (the last exit code 3;")
+        assert pool.alive == 0
+    finally:
+        pool.close()
+
+
 def test_pool_works_from_a_thread_and_by_file_path(helper_module):
     pool = WorkerPool(f"{helper_module / 'pool_helpers.py'}:factory", size=1, timeout_s=5.0)
     out = []

@@ -19,7 +19,7 @@ LAYERS = [
     {"evaluation"},
     {"rollout", "objectives", "verifiers", "data"},
     {"models"},
-    {"errors", "paths", "runs"},
+    {"errors", "paths", "runs", "write_faults"},
 ]
 
 

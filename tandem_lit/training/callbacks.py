@@ -24,7 +24,9 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from tandem_lit.errors import ConfigError
 from tandem_lit.runs import log_artifact
+from tandem_lit.training.distributed import check_same_config
 from tandem_lit.training.sharded import META, is_sharded_checkpoint, read_sharded
+from tandem_lit.write_faults import fault_line, write_atomically, write_fault
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +102,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(partial, path)
+        except Exception as err:  # torch's zip writer wraps the OSError of a full disk in a RuntimeError
+            fault = write_fault(err)
+            code = fault[0] if fault else MemoryError if isinstance(err, MemoryError) else None
+            if code is None:
+                raise
+            partial.unlink(missing_ok=True)  # (frees the space it took before the line reads the last one)
+            raise fault_line(code, f"checkpoint {path}", None, path.parent / "last.ckpt") from err
         finally:
             partial.unlink(missing_ok=True)
 
@@ -290,6 +299,8 @@ class SaveConfigToRun(SaveConfigCallback):
     """
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if trainer.world_size > 1 and torch.distributed.is_initialized():  # every rank here, before the first collective of a step
+            check_same_config(self.config.as_dict())
         if self.already_saved or not trainer.is_global_zero:
             return
         path = Path(trainer.default_root_dir) / self.config_filename
@@ -371,9 +382,10 @@ class RunReport(L.Callback):
         for metric in sorted({m for row in history for m in row if m.startswith("eval/")}):
             span = first_and_last(history, metric)
             summary[metric] = {"first": round(span[0], 4), "last": round(span[1], 4)}
-        (folder / "summary.json").write_text(json.dumps(summary, indent=2))
+        # whole or not at all: a resumed run's earlier history survives a disk that fills now
+        write_atomically(folder / "summary.json", json.dumps(summary, indent=2))
         run_id = getattr(pl_module, "run_id", None)
-        (folder / "history.jsonl").write_text("".join(json.dumps({"run_id": run_id, **row}) + "\n" for row in history))
+        write_atomically(folder / "history.jsonl", "".join(json.dumps({"run_id": run_id, **row}) + "\n" for row in history))
         print(format_summary(summary))
         for path in plots:
             log_artifact(trainer, path, "plots")

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from tandem_lit.rollout.result import RolloutResult
+from tandem_lit.write_faults import appending
 
 
 def append_sampled(trainer, settings, result: RolloutResult, tokenizer, split: str, run_id: str | None, step: int) -> None:
@@ -21,7 +22,7 @@ def append(folder: str | Path, result: RolloutResult, tokenizer, split: str, run
     path = Path(folder) / "completions.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     rollout = result.rollout
-    with path.open("a", encoding="utf-8") as f:
+    with appending(path) as f:  # a full disk leaves no half line
         for i in range(min(count, len(result.grades))):
             spans = rollout.spans(i, tokenizer)
             record = {

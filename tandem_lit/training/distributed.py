@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -40,10 +41,11 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor, nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-from tandem_lit.errors import ConfigError
+from tandem_lit.errors import ConfigError, ProcessGroupError
 from tandem_lit.rollout.logprobs import last_hidden_state
 from tandem_lit.rollout.weights import is_sharded, plain_model
 from tandem_lit.training.sharded import is_sharded_checkpoint, load_sharded_into, remove_sharded, save_sharded
+from tandem_lit.write_faults import fault_line, run_write_error, write_fault
 
 # metrics that add up over ranks (counts, throughput) or take the largest; the rest are means
 # (``loss``: each rank's part of the batch-wide normalised loss; counts every rank takes of the
@@ -74,7 +76,14 @@ class FSDP2Strategy(ModelParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any = None) -> None:
         if not self.sharded_checkpoints:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
-        save_sharded(checkpoint, Path(self.broadcast(str(filepath))), self.global_rank, self.broadcast, self.barrier)
+        path = Path(self.broadcast(str(filepath)))
+        try:
+            save_sharded(checkpoint, path, self.global_rank, self.broadcast, self.barrier)
+        except Exception as err:  # a full disk, a read-only folder: every rank stops with one line
+            fault = write_fault(err)
+            if fault is None:
+                raise
+            raise fault_line(fault[0], f"checkpoint {path}", None, path.parent / "last.ckpt") from err
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
@@ -150,12 +159,20 @@ def check_run_folder(folder: str | Path) -> None:
     see (rank 0 writes the files, every rank its shards of a sharded checkpoint). Each rank looks
     for a file rank 0 just wrote; all ranks decide together, so none is left waiting."""
     folder = Path(folder)
-    token = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(token)
-    probe = folder / f".rank0-{token[0]}"
-    if dist.get_rank() == 0:
-        probe.write_text("")
-    dist.barrier()
+    token, refused = uuid.uuid4().hex, None
+    probe = folder / f".rank0-{token}"
+    if dist.get_rank() == 0:  # (a Trainer built in code may name a folder nothing created yet)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            probe.write_text("")
+        except OSError as err:  # said by every rank below: none is left waiting for rank 0
+            refused = run_write_error(err, folder) or ConfigError(f"cannot write the run folder {folder}: {err}")
+    shared = [(token, refused)]
+    dist.broadcast_object_list(shared)
+    token, refused = shared[0]
+    probe = folder / f".rank0-{token}"  # (each rank looks in the folder it chose)
+    if refused is not None:
+        raise refused
     views: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(views, (str(folder.resolve()), probe.exists()))
     dist.barrier()
@@ -169,6 +186,73 @@ def check_run_folder(folder: str | Path) -> None:
     if blind:
         raise ConfigError(f"rank(s) {blind} cannot see the files rank 0 writes in {folder}: put the run folder on a file "
                           "system every node shares")
+
+
+# how gloo and NCCL report a peer that is gone (killed, crashed, out of memory)
+LOST_PEER = ("connection closed by peer", "connection reset by peer", "broken pipe", "remote process exited",
+             "communicator was aborted")
+
+
+def process_group_error(err: BaseException) -> ProcessGroupError | None:
+    """One line for the faults of several processes a user can act on: the port rank 0 listens on
+    is taken, or another rank stopped (this one then fails in its next collective)."""
+    from tandem_lit.write_faults import chain, describe_checkpoint
+
+    for link in chain(err):
+        if not raised_by_torch_distributed(link):  # (a broken pipe elsewhere is something else)
+            continue
+        text = str(link)
+        if "EADDRINUSE" in text or "address already in use" in text.lower():
+            port = re.search(r"port: (\d+)", text)
+            port = port.group(1) if port else os.environ.get("MASTER_PORT", "?")
+            return ProcessGroupError(
+                f"the port rank 0 listens on ({port}, MASTER_PORT) is in use (another run on this machine?): set "
+                "MASTER_PORT to a free port, or (torchrun) pass another --master_port"
+            )
+        if isinstance(link, RuntimeError) and any(words in text.lower() for words in LOST_PEER):
+            folder = os.environ.get("TANDEM_LIT_RUN_FOLDER")
+            last = Path(folder) / "checkpoints" / "last.ckpt" if folder else None
+            intact, resumable = describe_checkpoint(last) if last else ("", False)
+            then = f"{intact}: resume with --ckpt_path {last}" if resumable else "no checkpoint was saved yet"
+            return ProcessGroupError(
+                f"another process of this run stopped, so this one (rank {launch_rank()}) cannot go on: its own "
+                f"output says why (no line at all: it was killed, e.g. for lack of memory); {then}"
+            )
+    return None
+
+
+def raised_by_torch_distributed(err: BaseException) -> bool:
+    frame = err.__traceback__
+    while frame is not None:
+        if f"{os.sep}torch{os.sep}distributed{os.sep}" in frame.tb_frame.f_code.co_filename:
+            return True
+        frame = frame.tb_next
+    return False
+
+
+# settings that differ between ranks by design: rank 0 alone logs; the --config files may sit at
+# other paths on other nodes (their contents are compared, as the settings they resolved to)
+PER_RANK_SETTINGS = ("trainer.logger", "config")
+
+
+def check_same_config(config: dict[str, Any]) -> None:
+    """Every rank runs the config rank 0 runs (a config file edited on one node only would
+    otherwise hang a collective or train something else on that rank): all stop with one line
+    naming the first settings that differ."""
+    def flat(value: Any, prefix: str = "") -> dict[str, str]:
+        if isinstance(value, dict):
+            return {k: v for key, item in value.items() for k, v in flat(item, f"{prefix}{key}.").items()}
+        return {prefix.rstrip("."): repr(value)}
+
+    mine = {k: v for k, v in flat(config).items() if not any(k == s or k.startswith(f"{s}.") for s in PER_RANK_SETTINGS)}
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    differ = [(rank, key, every[0].get(key, "unset"), theirs.get(key, "unset")) for rank, theirs in enumerate(every)
+              for key in sorted(set(every[0]) | set(theirs)) if every[0].get(key) != theirs.get(key)]
+    if differ:
+        shown = "; ".join(f"rank {rank} has {key}={value} where rank 0 has {first}" for rank, key, first, value in differ[:3])
+        raise ConfigError(f"the ranks were started with different configs ({shown}{'; ...' if len(differ) > 3 else ''}): "
+                          "give every node the same config files and options")
 
 
 def shard_model(model: nn.Module, mesh, bf16_compute: bool) -> nn.Module:

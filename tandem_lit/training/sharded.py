@@ -28,6 +28,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from tandem_lit.write_faults import write_fault
+
 META = "meta.pt"
 
 
@@ -51,15 +53,31 @@ def save_sharded(checkpoint: dict[str, Any], path: str | Path, rank: int, broadc
     barrier()
     tensors = {"state_dict": checkpoint.pop("state_dict")}
     tensors.update({f"optimizer_{i}": state for i, state in enumerate(checkpoint.pop("optimizer_states", []))})
-    dcp.save(tensors, checkpoint_id=partial)  # returns on every rank once all shards and .metadata are written
+    try:
+        dcp.save(tensors, checkpoint_id=partial)  # returns on every rank once all shards and .metadata are written
+    except BaseException as err:  # (DCP's CheckpointException, raised on every rank, holds each rank's error)
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)  # a full disk gets its space back
+        faults = [failure for failure, _ in getattr(err, "failures", {}).values() if write_fault(failure)]
+        if faults:
+            raise faults[0] from None
+        raise
+    refused = None
     if rank == 0:
-        with open(partial / META, "wb") as f:
-            torch.save(checkpoint, f)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync(partial)
-        os.rename(partial, folder)
-        point(path, folder)
+        try:
+            with open(partial / META, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync(partial)
+            os.rename(partial, folder)
+            point(path, folder)
+        except Exception as err:  # told to every rank: none is left waiting in the barrier
+            shutil.rmtree(partial, ignore_errors=True)
+            refused = err if write_fault(err) else RuntimeError(f"writing checkpoint {folder} failed: {err!r}")
+    refused = broadcast(refused)
+    if refused is not None:
+        raise refused
     barrier()
     return folder
 

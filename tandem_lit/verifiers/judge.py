@@ -47,12 +47,13 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
-from tandem_lit.errors import ConfigError, JudgeAuthError
+from tandem_lit.errors import ConfigError, JudgeAuthError, JudgeUnavailableError
 
 __all__ = [
     "HTTPJudge",
     "Judge",
     "JudgeAuthError",
+    "JudgeUnavailableError",
     "Reply",
     "TransformersJudge",
     "Verdict",
@@ -89,6 +90,7 @@ class Reply:
 
     text: str
     failure: str | None = None  # "timeout" or "error"; unparseable text is decided by the parser
+    unreachable: bool = False  # no attempt reached the server and got its answer (connection, timeout, 5xx, 429)
 
 
 # -- template and parser ------------------------------------------------------------------------
@@ -344,9 +346,12 @@ class HTTPJudge(Judge):
         max_tokens: Reply length limit; a reply cut off before its verdict line is unparseable.
         cache_size: Verdicts kept in memory (LRU).
         cache_file: JSON Lines file keeping verdicts across runs; None: memory only.
+        give_up_after: Requests in a row the server does not answer (after their retries) before
+            the run stops with ``JudgeUnavailableError``: a server that went away mid-run would
+            otherwise withhold every later bonus with no more than a warning a minute.
     """
 
-    _runtime = (*Judge._runtime, "_pool")
+    _runtime = (*Judge._runtime, "_pool", "_unreachable")
 
     def __init__(
         self,
@@ -362,6 +367,7 @@ class HTTPJudge(Judge):
         max_tokens: int = 512,
         cache_size: int = 100_000,
         cache_file: str | None = None,
+        give_up_after: int = 32,
     ):
         if not base_url.startswith(("http://", "https://")):
             raise ConfigError(f"base_url must start with http:// or https://, got {base_url!r}")
@@ -373,6 +379,9 @@ class HTTPJudge(Judge):
             raise ConfigError(f"timeout_s must be > 0 and backoff_s >= 0, got {timeout_s} and {backoff_s}")
         if max_tokens < 1:
             raise ConfigError(f"max_tokens must be >= 1, got {max_tokens}")
+        if give_up_after < 1:
+            raise ConfigError(f"give_up_after must be >= 1, got {give_up_after}")
+        self.give_up_after = give_up_after
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.api_key_env = api_key_env
@@ -388,6 +397,7 @@ class HTTPJudge(Judge):
     def _setup_runtime(self) -> None:
         super()._setup_runtime()
         self._pool: ThreadPoolExecutor | None = None
+        self._unreachable = 0  # requests in a row that did not reach the server
 
     def close(self) -> None:
         with self._lock:
@@ -425,7 +435,18 @@ class HTTPJudge(Judge):
                 self._pool = ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="judge")
             pool = self._pool
         futures = [pool.submit(self._ask, prompt) for prompt in prompts]
-        return [future.result() for future in futures]  # re-raises JudgeAuthError / ConfigError
+        replies = [future.result() for future in futures]  # re-raises JudgeAuthError / ConfigError
+        with self._lock:
+            for reply in replies:
+                self._unreachable = self._unreachable + 1 if reply.unreachable else 0
+            if self._unreachable >= self.give_up_after:
+                last = next(reply.text for reply in reversed(replies) if reply.unreachable)
+                raise JudgeUnavailableError(
+                    f"the judge server has not answered {self._unreachable} requests in a row (the last: "
+                    f"{last}); the run stops rather than go on without the elegance bonus: start the server again "
+                    f"(or raise give_up_after), then resume from the run's checkpoints/last.ckpt with --ckpt_path"
+                )
+        return replies
 
     def _ask(self, prompt: str) -> Reply:
         body = json.dumps(
@@ -457,20 +478,20 @@ class HTTPJudge(Judge):
                     ) from None
                 if err.code not in (408, 429) and err.code < 500:
                     return Reply(detail, "error")  # about this request; asking again gives the same
-                failure = Reply(detail, "error")
+                failure = Reply(detail, "error", True)  # (a server behind a proxy that is gone: 502, 503)
                 retry_after = (err.headers or {}).get("Retry-After", "")
                 if retry_after.strip().isdigit():
                     delay = min(float(retry_after), 60.0)
                 continue
             except TimeoutError:
-                failure = Reply(f"no reply from {self.url} within timeout_s={self.timeout_s}", "timeout")
+                failure = Reply(f"no reply from {self.url} within timeout_s={self.timeout_s}", "timeout", True)
                 continue
             except urllib.error.URLError as err:
                 kind = "timeout" if isinstance(err.reason, TimeoutError) else "error"
-                failure = Reply(self._redact(f"cannot reach {self.url}: {err.reason}"), kind)
+                failure = Reply(self._redact(f"cannot reach {self.url}: {err.reason}"), kind, True)
                 continue
             except (http.client.HTTPException, OSError) as err:
-                failure = Reply(self._redact(f"connection to {self.url} failed: {type(err).__name__}: {err}"), "error")
+                failure = Reply(self._redact(f"connection to {self.url} failed: {type(err).__name__}: {err}"), "error", True)
                 continue
             return self._content(payload)
         return failure

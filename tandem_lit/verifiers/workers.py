@@ -21,6 +21,7 @@ import math
 import os
 import pickle
 import select
+import signal
 import struct
 import subprocess
 import sys
@@ -33,6 +34,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from tandem_lit.errors import TandemLitError  # (imports nothing: the child may import it too)
 
 _HEADER = struct.Struct(">I")  # frame = 4-byte big-endian length + pickle
 _BOOT = (
@@ -54,6 +57,12 @@ class TaskResult:
 
 class WorkerStartError(RuntimeError):
     """A worker could not start (its factory failed, it died, or it did not answer in time)."""
+
+
+class WorkersLostError(TandemLitError, RuntimeError):
+    """Every one of the last ``crash_limit`` calls lost its worker: something outside kills them
+    (the kernel's out-of-memory killer, most often). One crash costs its call; a pool whose
+    workers all die would otherwise turn every later result into a counted failure."""
 
 
 def _frame(obj: Any) -> bytes:
@@ -138,6 +147,7 @@ class WorkerPool:
         timeout_s: Wall-clock limit of one call, in seconds.
         start_timeout_s: Limit on a worker's start-up (imports, warm-up).
         memory_limit_mb: Address-space limit of each worker (``RLIMIT_AS``), None for none.
+        crash_limit: Calls in a row whose worker died before ``WorkersLostError`` ends the run.
     """
 
     def __init__(
@@ -147,6 +157,7 @@ class WorkerPool:
         timeout_s: float,
         start_timeout_s: float = 120.0,
         memory_limit_mb: int | None = None,
+        crash_limit: int = 16,
     ):
         if size < 1:
             raise ValueError(f"a worker pool needs size >= 1, got {size}")
@@ -159,6 +170,8 @@ class WorkerPool:
         self.memory_limit_mb = memory_limit_mb
         self.timeouts = 0  # calls killed for overrunning, over the pool's life
         self.crashes = 0  # calls whose worker died
+        self.crash_limit = crash_limit
+        self._crashes_in_a_row = 0
         self._workers: list[_Worker] = []
         self._lock = threading.Lock()
         self._owner_pid = os.getpid()
@@ -286,17 +299,31 @@ class WorkerPool:
             index, ok, payload = frame
             results[index] = TaskResult("ok", value=payload) if ok else TaskResult("error", error=payload)
             worker.task = None
+            self._crashes_in_a_row = 0
 
     def _lost(self, worker: _Worker, results: list[TaskResult | None]) -> None:
         """The worker died (end of file or broken pipe)."""
-        code = worker.proc.poll()
+        try:
+            code = worker.proc.wait(timeout=1)  # (its pipe closes a moment before it is reaped)
+        except subprocess.TimeoutExpired:
+            code = None
         if not worker.ready:
             self._retire(worker)
             raise self._start_failed(f"a worker ({self.factory}) exited with code {code} before it was ready")
         if worker.task is not None:
             results[worker.task] = TaskResult("crashed", error=f"worker exited with code {code}")
             self.crashes += 1
+            self._crashes_in_a_row += 1
         self._retire(worker)
+        if self._crashes_in_a_row >= self.crash_limit:
+            for other in list(self._workers):
+                self._retire(other)
+            how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+            raise WorkersLostError(
+                f"the worker processes of {self.factory.rsplit('/', 1)[-1]} keep dying: the last {self._crashes_in_a_row} "
+                f"calls each lost theirs (the last {how}; SIGKILL is most often the kernel's out-of-memory killer). Free "
+                "memory on the host or run fewer workers, then resume with --ckpt_path <run folder>/checkpoints/last.ckpt"
+            )
         self._spawn()
 
 
