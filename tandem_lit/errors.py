@@ -33,3 +33,8 @@ class LogprobGapError(TandemLitError):
 
 class MissingDependencyError(TandemLitError, ImportError):
     """An optional dependency the chosen component needs is not installed."""
+
+
+class DeviceMemoryError(TandemLitError, RuntimeError):
+    """The GPU ran out of memory in a phase of a step (``training.out_of_memory``): names the phase
+    and the setting to lower; the last checkpoint is left as it was."""

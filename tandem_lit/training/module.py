@@ -45,6 +45,7 @@ from tandem_lit.models import (
     quantization_config,
 )
 from tandem_lit.objectives.base import Objective
+from tandem_lit.rollout import out_of_memory
 from tandem_lit.rollout.choice import default_engine
 from tandem_lit.rollout.engine import RolloutEngine
 from tandem_lit.rollout.handoff import HandoffPolicy
@@ -54,7 +55,7 @@ from tandem_lit.rollout.weights import gathered, rollout_named_tensors
 from tandem_lit.runs import start_run_record
 from tandem_lit.training import checkpoints, completions, preflight
 from tandem_lit.training.distributed import Shares, check_several_processes, reduce_metrics
-from tandem_lit.training.memory import GIB, estimate_run_memory, plan_kv_pool
+from tandem_lit.training.memory import GIB, estimate_run_memory, plan_kv_pool, size_rollout_memory
 from tandem_lit.training.rollout_phase import RolloutPhase
 from tandem_lit.training.settings import (
     EvaluationSettings,
@@ -234,8 +235,17 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         return estimate_run_memory(
             self.senior, self.junior, self.reference is not None, getattr(self.engine, "rollout_dtype", "auto"),
             self.rollout_settings, self.update_settings, self.memory, prompts_per_step, mixed_precision, decode_dtype,
-            kv_pool_tokens, kv_pool_gib, world=world,
+            kv_pool_tokens, kv_pool_gib, world=world, prefill_tokens=getattr(self.engine, "prefill_tokens", None),
         )
+
+    def size_kv_pool(self, capacity: int) -> str:
+        """``kv_cache_gib: auto``: the engine's KV pool and prefill size from the card's ``capacity``
+        (bytes) and the memory plan (``size_rollout_memory``); the plan is remade at those sizes."""
+        sequence_tokens = (self.rollout_settings.max_prompt_tokens or 512) + self.sampling.max_new_tokens
+        pool, prefill = size_rollout_memory(capacity, self.estimated_memory, sequence_tokens, self.engine.prefill_tokens)
+        self.engine.kv_cache_tokens, self.engine.prefill_tokens = pool, prefill
+        self.estimated_memory = self.memory_estimate()
+        return f"kv_cache_gib: auto sized the KV pool to {pool:,} token positions and prefill_tokens to {prefill:,}"
 
     def configure_optimizers(self):
         params = [p for p in self.senior.parameters() if p.requires_grad]
@@ -270,6 +280,8 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         avoid_cudnn_attention_backward()
         self.estimated_memory = self.memory_estimate()
         properties = torch.cuda.get_device_properties(self.device)
+        if getattr(self.engine, "kv_cache_gib", None) == "auto":
+            log.info(self.size_kv_pool(properties.total_memory))
         if pool := plan_kv_pool(self.engine, self.estimated_memory, properties.total_memory):
             log.info(pool)
         log.info("estimated peak GPU memory of a training step: %s", self.estimated_memory.table())
@@ -287,7 +299,8 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         rows, skipped = self.rollouts.prompts_that_fit(batch)  # of the whole batch: every rank iterates the same ones
         shares = Shares(world, self.global_rank, self.update_settings.mini_batch_size, self.device)
         offload_seconds = self.updates.offload_optimizer_state(optimizer, self.device)
-        result, stats = self.rollouts.training_rollouts(rows, self.handoff, key, shares) if rows else (None, {})
+        with out_of_memory.phase("rollout", self.device, self.trainer):
+            result, stats = self.rollouts.training_rollouts(rows, self.handoff, key, shares) if rows else (None, {})
         self.count_idle_step(result is None, len(rows))  # (decided alike on every rank: all raise, none waits)
         if self.rollout_settings.max_prompt_tokens is not None:
             stats["skipped_long_prompts"] = float(skipped)
@@ -298,7 +311,8 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         if result is None:
             stats["skipped_update"] = 1.0
         else:
-            update_metrics = self.updates.run(result, self.optimizers(), self.device, world, self.global_step)
+            with out_of_memory.phase("update", self.device, self.trainer):
+                update_metrics = self.updates.run(result, self.optimizers(), self.device, world, self.global_step)
             self._policy_version += int(update_metrics["updates"])
             stats.update(rollout_stats(result.rollout, result.rewards, result.correct, result.group, self.jargon))
             if self.logging_settings.language is not None:  # of the whole text and of each author's own words
