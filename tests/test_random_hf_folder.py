@@ -63,3 +63,20 @@ def test_overrides_and_refusals(tmp_path):
         module.write_folder("org/unknown", tokenizer, tmp_path)
     with pytest.raises(module.FolderError, match="is not a tokenizer folder"):
         module.write_folder("Qwen/Qwen3-1.7B", tmp_path, tmp_path, tiny=True)
+
+
+def test_a_model_folder_without_a_tokenizer_is_one_line(tmp_path, capsys):
+    """transformers builds an empty tokenizer (one token) from such a folder: refused, not run."""
+    from tandem_lit.cli import main
+
+    folder = script().write_folder("Qwen/Qwen3-1.7B", REPO / "configs/tiny/senior", tmp_path, tiny=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).unlink()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as code:
+        main(args=["fit", "--config", "configs/gsm8k_tiny.yaml", "--trainer.default_root_dir", str(tmp_path / "run"),
+                   "--model.init_args.senior.path", str(folder), "--model.init_args.senior.random_init", "false"])
+    assert code.value.code == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("tandem-lit: error")]
+    assert len(lines) == 1 and "has no tokenizer" in lines[0] and str(folder) in lines[0]
