@@ -80,3 +80,12 @@ def test_the_bar_shows_rollouts_done_and_a_quick_look_limits_each_set(tmp_path, 
     assert "rollouts 8/8" in err
     saved = read(tmp_path / "run" / "eval" / "results.json")
     assert {name: row["problems"] for name, row in saved["datasets"].items()} == {"aime24": 1, "amc23": 1}
+
+
+def test_a_bfloat16_senior_is_tested_not_refused_as_if_trained(tmp_path):
+    """configs/eval/math_handoff.yaml loads the model under test in bf16: nothing is trained, so the
+    refusal of bf16 weights trained in place does not apply (fit still refuses them)."""
+    args = tiny_test_args(tmp_path / "run", math_eval_root(tmp_path), "--data.init_args.limit", "1")
+    args[args.index("--model.init_args.senior") + 1] = "{path: configs/tiny/senior, random_init: true, dtype: bfloat16}"
+    main(args=args)
+    assert read(tmp_path / "run" / "eval" / "results.json")["settings"]["senior"]["dtype"] == "bfloat16"

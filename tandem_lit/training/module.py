@@ -173,9 +173,11 @@ class TandemModule(EvaluationSteps, L.LightningModule):
             return
         self.tokenizer = load_tokenizer(self.senior_source)
         senior = load_causal_lm(self.senior_source, quantization_config(self.lora))
-        if self.lora is None:
+        # (test, validate and predict train nothing: a bf16 senior is what they should decode)
+        fitting = self._trainer is None or self._trainer.state.fn in (None, "fit")
+        if self.lora is None and fitting:
             preflight.check_weight_precision(senior, self.update_settings.allow_low_precision_weights)
-        else:
+        elif self.lora is not None:
             senior = apply_lora(senior, self.lora)
         if self.memory.gradient_checkpointing:
             senior.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
