@@ -80,3 +80,15 @@ def test_a_model_folder_without_a_tokenizer_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("tandem-lit: error")]
     assert len(lines) == 1 and "has no tokenizer" in lines[0] and str(folder) in lines[0]
+
+
+def test_the_gpu_stage_script_parses_and_refuses_an_unknown_card(tmp_path):
+    """scripts/gpu_mainjob.sh (its stages ran end to end on the CPU with TINY=1 when it was written:
+    a minute and a half, too slow for the suite)."""
+    import subprocess
+
+    script_path = REPO / "scripts/gpu_mainjob.sh"
+    assert subprocess.run(["bash", "-n", str(script_path)]).returncode == 0
+    refused = subprocess.run(["bash", str(script_path), "fit"], env={"OUT": str(tmp_path), "CARD": "a100", "PATH": "/usr/bin:/bin"},
+                             capture_output=True, text=True)
+    assert refused.returncode == 2 and "CARD must be h200 or h100" in refused.stdout
