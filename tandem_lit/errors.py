@@ -66,3 +66,6 @@ class JudgeAuthError(ConfigError):
 
 class SandboxRefusedError(ConfigError):
     """The sandbox cannot apply a protection on this machine, and it was not allowed to be missing."""
+class DeviceMemoryError(TandemLitError, RuntimeError):
+    """The GPU ran out of memory in a phase of a step (``training.out_of_memory``): names the phase
+    and the setting to lower; the last checkpoint is left as it was."""
