@@ -156,7 +156,7 @@ class EvaluationSteps:
         """Solo and handoff samples of every problem, graded, tallied per eval set (a set an
         earlier run of these settings finished is kept, not measured again)."""
         name = str(batch[0].get("dataset", f"set{dataloader_idx}"))
-        if name in self._kept_sets:
+        if name in getattr(self, "_kept_sets", ()):
             self.test_progress.done += len(batch) * self.test_rollouts_per_problem()
             return
         with out_of_memory.phase("evaluation", self.device, self.trainer):
@@ -264,7 +264,7 @@ class EvaluationSteps:
         settings = dict(self.test_settings(), checkpoint=checkpoint_identity(getattr(self.trainer, "ckpt_path", None)),
                         forced_token=self.evaluation.test_forced_token)
         self._finished = FinishedSets(Path(self.trainer.default_root_dir) / "eval", settings)
-        loaders = self.trainer.test_dataloaders
+        loaders = self.trainer.test_dataloaders or []
         loaders = loaders if isinstance(loaders, list) else [loaders]
         sizes = {}  # eval set name -> problems this run would measure
         for loader in loaders:

@@ -214,13 +214,15 @@ class MemoryEstimate:
         lora = ", or train LoRA adapters" if trained_state > GIB else ""
         fixes = []
         # what only sharding or LoRA shrinks: the trained state and the models beside it in the update
-        held = sum(v for k, v in self.update.items() if k not in ("activations",))
-        if trained_state > GIB and held > capacity:
+        held = sum(v for k, v in self.update.items() if k != "activations")
+        whole = trained_state > GIB and held > capacity
+        if whole:
+            more = ("more GPUs" if self.sync  # (FSDP2 already: each rank holds its share)
+                    else "two or more GPUs (trainer.devices: 2, trainer.strategy: fsdp; docs/distributed.md)")
             fixes.append(
                 f"full weights do not fit {device} whatever the batch: the update alone holds {held / GIB:.0f} GiB of "
-                "weights, gradients, optimizer state, rollout copy and junior. Train on two or more GPUs "
-                "(trainer.devices: 2, trainer.strategy: fsdp; docs/distributed.md) or train LoRA adapters "
-                "(configs/rlvr/qwen3_4b_tandem_lora_h100.yaml fits one 80 GB H100)"
+                f"weights, gradients, optimizer state, rollout copy and junior. Train on {more} or train LoRA adapters "
+                "(as configs/rlvr/qwen3_4b_tandem_lora_h100.yaml does for the 4B pair on one 80 GB H100)"
             )
             lora = ""
         if rollout > capacity:
@@ -228,7 +230,7 @@ class MemoryEstimate:
             prefill = ", lower engine.prefill_tokens" if self.rollout.get("prefill caches", 0) > GIB else ""
             fixes.append(f"lower rollout.batch_size or engine.kv_cache_gib (KV caches grow with them; "
                          f"kv_cache_gib: auto sizes the pool to the card){prefill}{offload}{lora}")
-        if update > capacity and not (trained_state > GIB and held > capacity):
+        if update > capacity and not whole:
             fixes.append(f"lower memory.micro_batch_tokens / update.micro_batch_size, set memory.gradient_checkpointing: true{lora}")
         if sum(self.sync.values()) > capacity:
             fixes.append(f"the weight sync gathers the whole senior: set memory.offload_optimizer: true{lora}, or shard over more GPUs")
