@@ -81,3 +81,8 @@ class ProcessGroupError(TandemLitError, RuntimeError):
 class JudgeUnavailableError(ConfigError):
     """The judge server has not answered ``give_up_after`` requests in a row: it went away,
     and the run would otherwise go on without its bonus for good."""
+
+
+class DeviceMemoryError(TandemLitError, RuntimeError):
+    """The GPU ran out of memory in a phase of a step (``training.out_of_memory``): names the phase
+    and the setting to lower; the last checkpoint is left as it was."""

@@ -160,7 +160,8 @@ def test_a_step_that_cannot_fit_names_the_settings_to_change():
         estimate.check(141 * GIB, "NVIDIA H200")
     message = str(err.value)
     assert "NVIDIA H200 has 141 GiB" in message and "KV caches" in message
-    assert "rollout_batch_size" in message and "gradient_checkpointing" in message
+    assert "rollout.batch_size" in message and "memory.gradient_checkpointing" in message
+    assert "rollout_batch_size" not in message  # (the setting is rollout.batch_size)
     estimate_step_memory(QWEN3_4B, None, StepSettings(**{**vars(settings), "rollout_sequences": 16, "micro_batch_tokens": 8048})).check(141 * GIB)
 
 
@@ -176,7 +177,7 @@ def test_the_fixes_named_are_those_that_shrink_a_part_the_step_has():
         with pytest.raises(MemoryBudgetError) as err:
             estimate.check(79 * GIB, "an H100")
         messages[name] = str(err.value)
-    assert "rollout_batch_size" in messages["lora"] and "kv_cache_gib" in messages["lora"]
+    assert "rollout.batch_size" in messages["lora"] and "kv_cache_gib" in messages["lora"]
     assert "LoRA" not in messages["lora"] and "offload_optimizer" not in messages["lora"]
     assert "train LoRA adapters" in messages["full"] and "offload_optimizer: true" in messages["full"]
 

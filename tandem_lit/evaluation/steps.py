@@ -6,7 +6,9 @@ and correctness), with the evaluation's own handoff and sampling:
 - validation (``eval_modes``: senior alone, junior alone, tandem) logs ``eval/<mode>_<metric>``
   at the number of optimiser updates so far, once before training if asked;
 - test reports solo and handoff pass@k per eval set and their macro average, plus the partner's
-  cross-entropy on the model's solo text (legibility), to ``eval/results.{json,md}``;
+  cross-entropy on the model's solo text (legibility), to ``eval/results.{json,md}``, rewritten as
+  each set finishes; a re-run of the same settings continues after the finished sets
+  (``test_progress``);
 - predict writes graded completions of every mode, spans marked by author.
 """
 
@@ -30,6 +32,8 @@ from tandem_lit.evaluation.report import (
     summarize,
     write_report,
 )
+from tandem_lit.evaluation.test_progress import EvalProgress, FinishedSets, checkpoint_identity
+from tandem_lit.rollout import out_of_memory
 from tandem_lit.rollout.handoff import HandoffPolicy, SoloHandoff
 from tandem_lit.rollout.logprobs import completion_logprobs
 from tandem_lit.rollout.record import Author, Rollout
@@ -85,7 +89,9 @@ class EvaluationSteps:
         if not ids:
             return
         share = rows if world == 1 else [rows[i] for i in ids]
-        for name, (value, count) in self.evaluate_batch(share, key, None if world == 1 else ids).items():
+        with out_of_memory.phase("evaluation", self.device, self.trainer):
+            measured = self.evaluate_batch(share, key, None if world == 1 else ids)
+        for name, (value, count) in measured.items():
             total = totals.setdefault(name, [0.0, 0])
             total[0] += value * count
             total[1] += count
@@ -147,10 +153,22 @@ class EvaluationSteps:
         return records
 
     def test_step(self, batch: list[dict[str, Any]], batch_idx: int, dataloader_idx: int = 0) -> None:
-        """Solo and handoff samples of every problem, graded, tallied per eval set."""
+        """Solo and handoff samples of every problem, graded, tallied per eval set (a set an
+        earlier run of these settings finished is kept, not measured again)."""
         name = str(batch[0].get("dataset", f"set{dataloader_idx}"))
+        if name in getattr(self, "_kept_sets", ()):
+            self.test_progress.done += len(batch) * self.test_rollouts_per_problem()
+            return
+        with out_of_memory.phase("evaluation", self.device, self.trainer):
+            self.test_batch(batch, name, dataloader_idx * 1_000_003 + batch_idx)
+        self.test_progress.done += len(batch) * self.test_rollouts_per_problem()
+        self.test_progress.measured += len(batch) * self.test_rollouts_per_problem()
+
+    def test_rollouts_per_problem(self) -> int:
+        return self.evaluation.test_sampling.n * (2 if self.junior is not None else 1)
+
+    def test_batch(self, batch: list[dict[str, Any]], name: str, key: int) -> None:
         tally = self._test_tallies.setdefault(name, DatasetTally(n=self.evaluation.test_sampling.n))
-        key = dataloader_idx * 1_000_003 + batch_idx
         solo = self.rollouts.generate(batch, SoloHandoff("senior"), self.evaluation.test_sampling, key)
         self._tally(tally, solo, handoff=False)
         if self.evaluation.test_forced_token:
@@ -234,20 +252,57 @@ class EvaluationSteps:
             rollout.finished.to(device), rollout.truncated.to(device), zeros, zeros, zeros, texts=list(rollout.texts),
         )
 
-    def on_test_epoch_start(self) -> None:
-        self._test_tallies = {}
-
-    def on_test_epoch_end(self) -> None:
-        report = summarize(self._test_tallies, self.evaluation.pass_k)
-        report["settings"] = {
+    def test_settings(self) -> dict[str, Any]:
+        """What the numbers of a test depend on (written with them, and compared by a re-run)."""
+        return {
             "sampling": vars(self.evaluation.test_sampling), "handoff": repr(self.evaluation.test_handoff), "pass_k": self.evaluation.pass_k,
             "senior": vars(self.senior_source), "partner": vars(self.junior_source) if self.junior_source else None,
         }
-        self.log_dict(flat_metrics(report))
+
+    def on_test_epoch_start(self) -> None:
+        self._test_tallies = {}
+        settings = dict(self.test_settings(), checkpoint=checkpoint_identity(getattr(self.trainer, "ckpt_path", None)),
+                        forced_token=self.evaluation.test_forced_token)
+        self._finished = FinishedSets(Path(self.trainer.default_root_dir) / "eval", settings)
+        loaders = self.trainer.test_dataloaders or []
+        loaders = loaders if isinstance(loaders, list) else [loaders]
+        sizes = {}  # eval set name -> problems this run would measure
+        for loader in loaders:
+            rows = [row for batch in loader for row in batch]
+            if rows:
+                sizes[str(rows[0].get("dataset", ""))] = len(rows)
+        earlier = self._finished.load() if self.trainer.world_size == 1 else {}
+        self._kept_sets = {name for name, tally in earlier.items() if sizes.get(name) == len(tally.solo_correct)}
+        for name in self._kept_sets:
+            self._test_tallies[name] = earlier[name]
+            log.info("eval set %s: kept from an earlier run of these settings (eval/tallies.json)", name)
+        self.test_progress = EvalProgress(total=sum(sizes.values()) * self.test_rollouts_per_problem())
+
+    def on_test_batch_end(self, outputs, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        """When a set's last batch is done: its tally kept, the report of the sets done so far written."""
+        name = str(batch[0].get("dataset", f"set{dataloader_idx}"))
+        batches = self.trainer.num_test_batches
+        last = batch_idx + 1 >= (batches[dataloader_idx] if isinstance(batches, list) else batches)
+        if not last or name in self._kept_sets or name not in self._test_tallies or not self.trainer.is_global_zero:
+            return
+        if self.trainer.world_size == 1:  # (several processes hold a share each: the report at the end)
+            self._finished.add(name, self._test_tallies[name])
+            self.write_test_report(print_table=False)
+        log.info("eval set %s finished (%s); eval/results.json updated", name, self.test_progress.line())
+
+    def on_test_epoch_end(self) -> None:
+        self.test_report = self.write_test_report(print_table=True)
+        self.log_dict(flat_metrics(self.test_report))
+
+    def write_test_report(self, print_table: bool) -> dict:
+        report = summarize(self._test_tallies, self.evaluation.pass_k)
+        report["settings"] = self.test_settings()
         if self.trainer.is_global_zero:
             from tandem_lit.runs import log_artifact
 
             for path in write_report(report, self.evaluation.pass_k, Path(self.trainer.default_root_dir) / "eval"):
-                log_artifact(self.trainer, path, "eval")
-            print(markdown_table(report, self.evaluation.pass_k))
-        self.test_report = report
+                if print_table:  # (logged once, at the end)
+                    log_artifact(self.trainer, path, "eval")
+            if print_table:
+                print(markdown_table(report, self.evaluation.pass_k))
+        return report

@@ -124,10 +124,20 @@ def _hub_error(source: ModelSource, err: Exception) -> ModelSourceError:
     )
 
 
+# A tokenizer's vocabulary is in one of these (transformers' fast, SentencePiece, BPE and WordPiece files)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
+
+
 def load_tokenizer(source: ModelSource):
     from transformers import AutoTokenizer
 
     path = resolve(source.path)
+    # transformers builds an empty tokenizer from a folder without one (a vocabulary of one token)
+    if source.gguf_file is None and os.path.isdir(path) and not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        raise ModelSourceError(
+            f"model folder {source.path!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): copy the tokenizer "
+            "files of the model it was saved from into it (tokenizer.json and tokenizer_config.json)"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(
             path, revision=source.revision, gguf_file=source.gguf_file, trust_remote_code=source.trust_remote_code

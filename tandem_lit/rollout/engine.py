@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
@@ -147,6 +148,9 @@ class KVBudget:
     planned_tokens: int  # token positions the plan counts (rollout.batch_size sequences x their caps, or the engine's own pool)
     bytes_per_token: int  # both models' K/V of one token position
     fitting_tokens: int | None = None  # positions that fit the device beside the rest of the rollout phase (None: no device to fit)
+    # (pool positions, prefill positions) sized from the card and the plan, given the engine's
+    # prefill size (``kv_cache_gib: auto``); None: no device to fit
+    size_for_card: Callable[[int], tuple[int, int]] | None = None
 
     @property
     def planned_bytes(self) -> int:
@@ -206,6 +210,11 @@ class RolloutEngine(ABC):
         GiB), at most one set; (None, None): caches sized by the batch (rows x their tokens), as
         the plan counts them by default."""
         return None, None
+
+    def prefill_size(self) -> int | None:
+        """Padded positions one prefill holds in staging caches beside the engine's own, for the
+        memory plan; None: the engine prefills into its caches directly."""
+        return None
 
     def plan_kv_cache(self, budget: KVBudget) -> str | None:
         """Size the engine's KV cache from a training run's memory plan (``budget``), before

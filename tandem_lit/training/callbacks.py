@@ -249,6 +249,12 @@ class TandemProgressBar(TQDMProgressBar):
         if name and self.test_progress_bar is not None:
             self.test_progress_bar.set_description(f"test {name}")
 
+    def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        super().on_test_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)
+        progress = getattr(pl_module, "test_progress", None)  # the whole protocol's rollouts and time left
+        if progress is not None and self.test_progress_bar is not None and not self.test_progress_bar.disable:
+            self.test_progress_bar.set_postfix_str(progress.line())
+
 
 class GracefulStop(L.Callback):
     """Ctrl-C (SIGINT) and SIGTERM stop training at the end of the current step: the first signal

@@ -21,6 +21,16 @@ counts then: the weight sync before the rollouts gathers the whole senior at onc
 autocast, counted per token; a hybrid model's layers weighted by what they were measured to save,
 ``HYBRID_LAYER_FACTORS``); ``benchmarks/train_step.py`` prints it next to the measured peak and
 ``dev/benchmarks/activation_bytes.py`` measures a layer's saved bytes against it.
+
+The rollout phase of an engine that prefills into staging caches and copies them into its own
+(FastEngine: ``StepSettings.prefill_tokens``) also counts what one prefill holds beside the pool:
+both models' K/V of its padded positions (the Hugging Face cache it copies from), one layer's
+forward temporaries over those positions and the padding mask, the last position's logits of its
+rows; the decode step's per-row buffers, CUDA graphs and sampling temporaries over the vocabulary;
+and the caching allocator's slack (``ALLOCATOR_SLACK`` of the phase's memory). The prefill reads
+the rollout copy of the senior (bf16) when the engine decodes a copy, so its temporaries are in
+the rollout dtype. ``size_rollout_memory`` sizes the pool and the prefill from a card's memory and
+this plan (``kv_cache_gib: auto``).
 """
 
 from __future__ import annotations
@@ -44,6 +54,17 @@ LOGIT_CHUNK_BYTES = 3 * GIB  # logprobs.CHUNK_ELEMENTS float32 logits, their log
 # under transformers' torch fallback), each the larger of the full-weight and LoRA ratios: an
 # estimate that errs low lets a step run out of memory mid-run, as the 9B did (dev/log.md).
 HYBRID_LAYER_FACTORS = {"linear_attention": 3.0, "full_attention": 1.5}
+# Bytes per row and vocabulary entry of the decode step beside its graphs: each model's float32
+# logits buffer and the graph's own logits, the sampling's top-k/top-p sort (values and int64
+# indices), probabilities and their cumulative sum.
+DECODE_VOCAB_BYTES = 32
+# The caching allocator's slack over a rollout phase: blocks rounded up and split, segments cached
+# from the update that the pool's allocations cannot reuse.
+ALLOCATOR_SLACK = 0.04
+# Of the memory left beside the weights, what ``size_rollout_memory`` gives one prefill (the
+# rest goes to the KV pool): a prefill at least one sequence long, at most the engine's default.
+PREFILL_SHARE = 0.1
+CARD_HEADROOM = 0.05  # of the card, left free by ``size_rollout_memory`` for what no estimate counts
 
 
 @dataclass
@@ -61,6 +82,7 @@ class ModelShape:
     kv_width: int  # key/value heads x head_dim
     layer_factors: tuple[float, ...] = ()  # per layer, saved bytes over a Llama block's (empty: all 1)
     root_params: int = 0  # outside the decoder layers: embeddings and head (FSDP2's root unit)
+    vocab: int = 0  # rows of the LM head (0: logits not counted)
 
     @classmethod
     def of(cls, model: nn.Module) -> ModelShape:
@@ -85,6 +107,7 @@ class ModelShape:
             kv_width=(getattr(config, "num_key_value_heads", None) or heads) * head_dim,
             layer_factors=hybrid_layer_factors(config),
             root_params=sum(p.numel() for p in ends.values()),
+            vocab=getattr(config, "vocab_size", 0) or 0,
         )
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
@@ -112,6 +135,12 @@ class ModelShape:
         checkpointing holds, and what a forward pass without autograd holds (its temporaries,
         one layer at a time)."""
         return int(max(self.layer_factors or (1.0,)) * self.layer_bytes_per_token(compute_bytes))
+
+    def prefill_bytes_per_token(self, dtype_bytes: int) -> int:
+        """The largest layer's temporaries per token of a prefill without autograd, every tensor in
+        the decoded dtype (the rollout copy's or the junior's)."""
+        c, h, q, kv, inter = dtype_bytes, self.hidden, self.q_width, self.kv_width, self.intermediate
+        return int(max(self.layer_factors or (1.0,)) * (6 * c * h + (4 + c) * (q + kv) + c * (3 * q + 2 * kv) + 4 * c * inter))
 
 
 def hybrid_layer_factors(config) -> tuple[float, ...]:
@@ -141,6 +170,8 @@ class StepSettings:
     reference_copy: bool = False  # a frozen copy of the senior for the KL term
     kv_pool_tokens: int | None = None  # a paged engine's pool (positions); None: slot caches, sequences x tokens
     world: int = 1  # ranks the senior is sharded over (FSDP2); the other parts are per rank
+    prefill_tokens: int | None = None  # padded positions of one engine prefill into staging caches; None: not counted
+    allocator_slack: float = 0.0  # of the rollout phase (``ALLOCATOR_SLACK`` for a run's estimate)
 
 
 @dataclass
@@ -149,12 +180,16 @@ class MemoryEstimate:
     update: dict[str, int] = field(default_factory=dict)
     sync: dict[str, int] = field(default_factory=dict)  # FSDP2: the whole senior gathered for the weight sync
     kv_bytes_per_token: int = 0  # both models' K/V of one token position
+    slack: float = 0.0  # the allocator's slack, a share of the rollout phase's parts but the fixed overhead
+    sequence_tokens: int = 0  # prompt + completion of one sequence, at most
 
     def kv_tokens_that_fit(self, capacity: int) -> int:
         """Token positions of KV cache that fit in ``capacity`` bytes beside the rest of the rollout
-        phase (the update phase holds no KV cache)."""
-        others = sum(self.rollout.values()) - self.rollout.get("KV caches", 0)
-        return max(capacity - others, 0) // max(self.kv_bytes_per_token, 1)
+        phase (the update phase holds no KV cache; the slack grows with the pool)."""
+        fixed = self.rollout.get("overhead", 0)
+        others = sum(self.rollout.values()) - self.rollout.get("KV caches", 0) - self.rollout.get("allocator slack", 0) - fixed
+        room = int((capacity - fixed) / (1 + self.slack)) - others
+        return max(room, 0) // max(self.kv_bytes_per_token, 1)
 
     @property
     def peak(self) -> int:
@@ -178,13 +213,27 @@ class MemoryEstimate:
         trained_state = self.update.get("optimizer state", 0) + self.update.get("gradients", 0)
         lora = ", or train LoRA adapters" if trained_state > GIB else ""
         fixes = []
+        # what only sharding or LoRA shrinks: the trained state and the models beside it in the update
+        held = sum(v for k, v in self.update.items() if k != "activations")
+        whole = trained_state > GIB and held > capacity
+        if whole:
+            more = ("more GPUs" if self.sync  # (FSDP2 already: each rank holds its share)
+                    else "two or more GPUs (trainer.devices: 2, trainer.strategy: fsdp; docs/distributed.md)")
+            fixes.append(
+                f"full weights do not fit {device} whatever the batch: the update alone holds {held / GIB:.0f} GiB of "
+                f"weights, gradients, optimizer state, rollout copy and junior. Train on {more} or train LoRA adapters "
+                "(as configs/rlvr/qwen3_4b_tandem_lora_h100.yaml does for the 4B pair on one 80 GB H100)"
+            )
+            lora = ""
         if rollout > capacity:
-            offload = ", set offload_optimizer: true" if self.rollout.get("optimizer state", 0) > GIB else ""
-            fixes.append(f"lower rollout_batch_size or engine.kv_cache_gib (KV caches grow with them){offload}{lora}")
-        if update > capacity:
-            fixes.append(f"lower micro_batch_tokens / micro_batch_size, set gradient_checkpointing: true{lora}")
+            offload = ", set memory.offload_optimizer: true" if self.rollout.get("optimizer state", 0) > GIB else ""
+            prefill = ", lower engine.prefill_tokens" if self.rollout.get("prefill caches", 0) > GIB else ""
+            fixes.append(f"lower rollout.batch_size or engine.kv_cache_gib (KV caches grow with them; "
+                         f"kv_cache_gib: auto sizes the pool to the card){prefill}{offload}{lora}")
+        if update > capacity and not whole:
+            fixes.append(f"lower memory.micro_batch_tokens / update.micro_batch_size, set memory.gradient_checkpointing: true{lora}")
         if sum(self.sync.values()) > capacity:
-            fixes.append(f"the weight sync gathers the whole senior: set offload_optimizer: true{lora}, or shard over more GPUs")
+            fixes.append(f"the weight sync gathers the whole senior: set memory.offload_optimizer: true{lora}, or shard over more GPUs")
         raise MemoryBudgetError(
             f"a training step needs about {self.peak / GIB:.0f} GiB, {device} has {capacity / GIB:.0f} GiB: "
             f"{self.table()}. To fit: {'; '.join(fixes)} (or memory.check: false to try anyway)"
@@ -205,7 +254,10 @@ def estimate_step_memory(senior: ModelShape, junior: ModelShape | None, settings
     }
     per_token = senior.kv_bytes_per_token(s.rollout_bytes) + (junior.kv_bytes_per_token(s.junior_bytes) if junior else 0)
     tokens = s.kv_pool_tokens if s.kv_pool_tokens is not None else s.rollout_sequences * s.sequence_tokens
-    rollout = dict(common, **{"KV caches": tokens * per_token, "optimizer state": 0 if s.offload_optimizer else state})
+    rollout = dict(common, **{"KV caches": tokens * per_token, "optimizer state": 0 if s.offload_optimizer else state},
+                   **prefill_and_decode(senior, junior, s, per_token))
+    slack = sum(v for k, v in rollout.items() if k != "overhead")
+    rollout["allocator slack"] = int(s.allocator_slack * slack)
     compute = 2 if s.mixed_precision else senior.trainable_bytes or senior.param_bytes
     # a training pass's saved tensors, or a forward-only pass's (more tokens, one layer at a time)
     activations = max(s.micro_batch_tokens * senior.activation_bytes_per_token(s.checkpointing, compute),
@@ -222,7 +274,8 @@ def estimate_step_memory(senior: ModelShape, junior: ModelShape | None, settings
         },
     )
     if shards == 1:
-        return MemoryEstimate(rollout=rollout, update=update, kv_bytes_per_token=per_token)
+        return MemoryEstimate(rollout=rollout, update=update, kv_bytes_per_token=per_token, slack=s.allocator_slack,
+                              sequence_tokens=s.sequence_tokens)
     # FSDP2 gathers in the compute dtype: the root unit from forward to backward, a layer and the
     # next one (prefetched) at a time; the weight sync gathers every unit at once
     gathered_bytes = 2 if s.mixed_precision else senior.param_bytes
@@ -230,7 +283,55 @@ def estimate_step_memory(senior: ModelShape, junior: ModelShape | None, settings
     update["gathered layers"] = (senior.root_params + 2 * layer) * gathered_bytes
     sync = dict(common, **{"gathered senior": senior.params * gathered_bytes,
                            "optimizer state": 0 if s.offload_optimizer else state})
-    return MemoryEstimate(rollout=rollout, update=update, sync=sync, kv_bytes_per_token=per_token)
+    return MemoryEstimate(rollout=rollout, update=update, sync=sync, kv_bytes_per_token=per_token, slack=s.allocator_slack,
+                          sequence_tokens=s.sequence_tokens)
+
+
+def prefill_and_decode(senior: ModelShape, junior: ModelShape | None, s: StepSettings, kv_per_token: int) -> dict[str, int]:
+    """What a rollout holds beside the weights and the KV pool (module docstring): one prefill of
+    ``prefill_tokens`` padded positions (both models' staging caches; the larger model's layer
+    temporaries and the padding mask, its rows' last logits) and the decode step's buffers over
+    the vocabulary. Empty without ``prefill_tokens``."""
+    if s.prefill_tokens is None:
+        return {}
+    models = [(senior, s.rollout_bytes)] + ([(junior, s.junior_bytes)] if junior else [])
+    prefill, rows = s.prefill_tokens, min(s.rollout_sequences, s.prefill_tokens)
+    temporaries = max(m.prefill_bytes_per_token(b) for m, b in models)
+    mask = prefill * s.sequence_tokens * max(b for _, b in models)  # [rows, 1, width, width] over rows x width
+    return {
+        "prefill caches": prefill * kv_per_token,
+        "prefill activations": prefill * temporaries + mask,
+        "prefill logits": sum(rows * m.vocab * (b + 4) for m, b in models),  # the last position's, bf16 and float32
+        "decode buffers": sum(s.rollout_sequences * m.vocab * DECODE_VOCAB_BYTES for m, _ in models),
+    }
+
+
+def size_rollout_memory(capacity: int, estimate: MemoryEstimate, sequence_tokens: int, prefill_tokens: int) -> tuple[int, int]:
+    """The KV pool (token positions) and the prefill size (padded positions) of a rollout on a card
+    of ``capacity`` bytes, from the run's ``estimate`` (made with a prefill of ``prefill_tokens``
+    padded positions: its staging caches and temporaries per position): the prefill gets
+    ``PREFILL_SHARE`` of what the weights leave (at least one whole sequence, at most
+    ``prefill_tokens``), the pool what then fits in all but ``CARD_HEADROOM`` of the card, at most
+    the estimate's own KV positions (made with the pool unsized: what a batch can hold at once).
+    Raises MemoryBudgetError when not even one sequence of ``sequence_tokens`` fits."""
+    usable = int(capacity * (1 - CARD_HEADROOM))
+    prefill_now = estimate.rollout.get("prefill caches", 0) + estimate.rollout.get("prefill activations", 0)
+    per_position = max(prefill_now // max(prefill_tokens, 1), 1)
+    beside = dict(estimate.rollout, **{"KV caches": 0, "allocator slack": 0})
+    weights = sum(beside.values()) - prefill_now
+    free = int((usable - beside.get("overhead", 0)) / (1 + estimate.slack)) - (weights - beside.get("overhead", 0))
+    prefill = min(prefill_tokens, max(sequence_tokens, int(PREFILL_SHARE * free) // per_position))
+    room = free - prefill * per_position
+    most = estimate.rollout.get("KV caches", 0) // max(estimate.kv_bytes_per_token, 1)
+    pool = min(max(room, 0) // max(estimate.kv_bytes_per_token, 1), most)
+    if pool < sequence_tokens:
+        raise MemoryBudgetError(
+            f"the KV pool cannot hold one sequence of {sequence_tokens:,} tokens: {capacity / GIB:.0f} GiB leave "
+            f"{max(room, 0) / GIB:.1f} GiB beside the weights and a prefill of {prefill:,} positions "
+            f"({estimate.table()}). Lower rollout.max_prompt_tokens / sampling.max_new_tokens, train LoRA adapters, "
+            "or use more GPUs"
+        )
+    return pool, prefill
 
 
 POOL_HEADROOM = 0.05  # of the device, left free beside a paged pool sized to what fits (7 GiB of an H200)
@@ -244,7 +345,9 @@ def kv_budget(estimate: MemoryEstimate, capacity: int | None) -> KVBudget:
     # a pool sized to fill the estimate exactly would leave nothing for what it does not count
     # (the allocator's fragmentation, the graphs of a larger batch ladder): keep a share free
     fit = estimate.kv_tokens_that_fit(int(capacity * (1 - POOL_HEADROOM))) if capacity is not None else None
-    return KVBudget(estimate.rollout["KV caches"] // per_token, estimate.kv_bytes_per_token, fit)
+    sized = None if capacity is None else (
+        lambda prefill: size_rollout_memory(capacity, estimate, estimate.sequence_tokens, prefill))
+    return KVBudget(estimate.rollout["KV caches"] // per_token, estimate.kv_bytes_per_token, fit, sized)
 
 
 def estimate_module_memory(module, prompts_per_step: int | None = None, mixed_precision: bool | None = None,
@@ -259,6 +362,7 @@ def estimate_module_memory(module, prompts_per_step: int | None = None, mixed_pr
         prompts_per_step or getattr(getattr(trainer, "datamodule", None), "batch_size", 1),
         "mixed" in str(getattr(trainer, "precision", "32")) if mixed_precision is None else mixed_precision,
         decode_dtype, *module.engine.kv_pool_size(), world=world or getattr(trainer, "world_size", 1),
+        prefill_tokens=module.engine.prefill_size(),
     )
 
 
@@ -280,12 +384,14 @@ def estimate_run_memory(
     senior: nn.Module, junior: nn.Module | None, reference_copy: bool, requested_dtype: str, rollout, update, memory,
     prompts_per_step: int, mixed_precision: bool, decode_dtype: torch.dtype | None = None,
     kv_pool_tokens: int | None = None, kv_pool_gib: float | None = None, world: int = 1,
+    prefill_tokens: int | None = None,
 ) -> MemoryEstimate:
     """A training step's memory, per GPU, from the models' shapes and a run's settings
     (``RolloutSettings``, ``UpdateSettings``, ``MemorySettings``); ``decode_dtype`` defaults to the
     engine's rollout dtype (``requested_dtype``) here: pass bf16 to size a GPU run elsewhere. A paged
     engine's pool counts as sized (``kv_pool_tokens`` positions, or ``kv_pool_gib``), else as slot
-    caches. ``world``: ranks under FSDP2, each rolling out ``prompts_per_step / world`` prompts."""
+    caches. ``world``: ranks under FSDP2, each rolling out ``prompts_per_step / world`` prompts.
+    ``prefill_tokens``: the engine's prefill size, when it prefills into staging caches (FastEngine)."""
     from tandem_lit.rollout.weights import needs_copy, rollout_dtype
 
     if decode_dtype is None and requested_dtype != "live":
@@ -315,6 +421,8 @@ def estimate_run_memory(
         reference_copy=reference_copy,
         kv_pool_tokens=kv_pool_tokens,
         world=world,
+        prefill_tokens=prefill_tokens,
+        allocator_slack=ALLOCATOR_SLACK,
     )
     estimate = estimate_step_memory(senior_shape, junior_shape, settings)
     if kv_pool_gib is not None:

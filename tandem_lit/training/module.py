@@ -29,6 +29,7 @@ from tandem_lit.evaluation.metrics import JargonDetector
 from tandem_lit.evaluation.steps import EvaluationSteps
 from tandem_lit.models import LoraSettings, ModelSource
 from tandem_lit.objectives.base import Objective
+from tandem_lit.rollout import out_of_memory
 from tandem_lit.rollout.choice import default_engine
 from tandem_lit.rollout.engine import RolloutEngine
 from tandem_lit.rollout.handoff import HandoffPolicy
@@ -134,11 +135,16 @@ class TandemModule(EvaluationSteps, L.LightningModule):
             return
         mesh = getattr(self, "_device_mesh", None)  # set by FSDP2Strategy (trainer.strategy: fsdp)
         loaded = load_run_models(
-            self.senior_source, self.junior_source, self.lora, self.update_settings.allow_low_precision_weights,
+            self.senior_source, self.junior_source, self.lora,
+            # (test, validate and predict train nothing: a bf16 senior is what they should decode)
+            self.update_settings.allow_low_precision_weights or not self.fitting(),
             self.memory.gradient_checkpointing, self.objective.uses_reference, mesh,
             mesh is not None and str(self.trainer.precision).startswith("bf16"))
         self.reference = loaded.reference
         self.bind_models(loaded.senior, loaded.junior, loaded.tokenizer, loaded.junior_tokenizer)
+
+    def fitting(self) -> bool:
+        return self._trainer is None or self._trainer.state.fn in (None, "fit")
 
     def bind_models(self, senior: nn.Module, junior: nn.Module | None, tokenizer, junior_tokenizer=None) -> None:
         """The loaded models and tokenizers, bound once to the phases (the engine: the configured
@@ -194,13 +200,15 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         rows, skipped = self.rollouts.prompts_that_fit(batch)  # of the whole batch: every rank iterates the same ones
         shares = Shares(world, self.global_rank, self.update_settings.mini_batch_size, self.device)
         offload_seconds = self.updates.offload_optimizer_state(optimizer, self.device)
-        result, rollout_stats = self.rollouts.training_rollouts(rows, self.handoff, key, shares)
+        with out_of_memory.phase("rollout", self.device, self.trainer):
+            result, rollout_stats = self.rollouts.training_rollouts(rows, self.handoff, key, shares)
         self.idle_steps.count(result is None, len(rows), world)
         if self.memory.release_rollout_caches:
             self.rollouts.release()  # the update's activations get the KV caches' memory
         offload_seconds += self.updates.restore_optimizer_state(optimizer)
         self.metrics.rolled_out()
-        update = None if result is None else self.updates.run(result, self.optimizers(), self.device, world, self.global_step)
+        with out_of_memory.phase("update", self.device, self.trainer):
+            update = None if result is None else self.updates.run(result, self.optimizers(), self.device, world, self.global_step)
         if update is not None:
             self.rollouts.policy_moved(int(update["updates"]))
         row = self.metrics.row(result, rollout_stats, update, self.rollouts.timing, self.tokenizer, skipped, offload_seconds,

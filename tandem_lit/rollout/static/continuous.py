@@ -201,7 +201,11 @@ class ContinuousRun:
             if stream is not None:
                 torch.cuda.current_stream().wait_stream(stream)
             self._place(staged)
-            self.in_flight.append(staged)  # its tensors stay alive until the device has used them
+            if stream is not None:  # read on another stream: its tensors stay alive until the device has used them
+                self.in_flight.append(staged)
+            # (on this stream the allocator orders their reuse after the copies: each part's staging
+            # caches are freed before the next part's prefill, so a refill holds one part's at a time)
+            del staged
         if not beside_chunk:  # the decode waits for all of it: forwards and copies
             marks.append(self._mark())
         if self.steps:

@@ -85,8 +85,15 @@ def check_architecture(config) -> None:
         StaticDecoderModel.check_architecture(config)
 
 
-def check_kv_cache(kv_cache: str, page_size: int, tokens: int | None, gib: float | None) -> None:
+def check_kv_cache(kv_cache: str, page_size: int, tokens: int | None, gib: float | str | None) -> None:
     """Raise ConfigError (one line) for FastEngine's KV-layout settings that cannot work."""
+    if gib == "auto":  # sized when fit starts on a GPU (``TandemModule.size_kv_pool``)
+        if kv_cache != "paged" or tokens is not None:
+            raise ConfigError("kv_cache_gib: auto sizes a paged pool from the GPU and the memory plan: set kv_cache: paged "
+                              "and leave kv_cache_tokens out")
+        return
+    if isinstance(gib, str):
+        raise ConfigError(f"kv_cache_gib must be a size in GiB or 'auto', got {gib!r}")
     if kv_cache not in ("slots", "paged"):
         raise ConfigError(f"kv_cache must be 'slots' or 'paged', got {kv_cache!r}")
     if page_size < 1:
@@ -166,7 +173,9 @@ class FastEngine(RolloutEngine):
             (neither this nor ``kv_cache_gib``): what the slots layout would hold, ``max_batch`` x
             (widest prompt + ``max_new_tokens``), so nothing is ever preempted.
         kv_cache_gib: The paged pool's size in GiB instead (both models' K/V; not Qwen3.5's per-row
-            linear-attention states).
+            linear-attention states). ``auto``: when fit starts on a GPU, the pool and
+            ``prefill_tokens`` are sized from the card's memory and the run's memory plan
+            (``training.memory.size_rollout_memory``); elsewhere as if unsized.
         overlap_prefill: ``on``: a refill's prefill runs beside the next decode chunk (on CUDA its
             forwards on a second stream), its sequences decoding from the chunk after; ``off``
             (default): the decode waits for every refill. Speed only, as ``refill``. Off by
@@ -193,7 +202,7 @@ class FastEngine(RolloutEngine):
         kv_cache: Literal["slots", "paged"] = "slots",
         kv_page_size: int = 64,
         kv_cache_tokens: int | None = None,
-        kv_cache_gib: float | None = None,
+        kv_cache_gib: float | Literal["auto"] | None = None,
         refill: Literal["amortized", "eager"] = "amortized",
         prefill_tokens: int = 16384,
         overlap_prefill: Literal["on", "off"] = "off",
@@ -247,8 +256,8 @@ class FastEngine(RolloutEngine):
                 model.fuse_projections(share=name == "junior" or self.decodes_copy)
 
     def kv_pool_size(self) -> tuple[int | None, float | None]:
-        if self.kv_cache == "paged":  # the pool, whatever the batch
-            return self.kv_cache_tokens, self.kv_cache_gib
+        if self.kv_cache == "paged":  # the pool, whatever the batch (auto: not sized yet)
+            return self.kv_cache_tokens, None if self.kv_cache_gib == "auto" else self.kv_cache_gib
         return None, None
 
     def plan_kv_cache(self, budget: KVBudget) -> str | None:
@@ -258,6 +267,10 @@ class FastEngine(RolloutEngine):
         device to fit: nothing to plan."""
         if self.kv_cache != "paged" or budget.fitting_tokens is None:
             return None
+        if self.kv_cache_gib == "auto":
+            self.kv_cache_tokens, self.prefill_tokens = budget.size_for_card(self.prefill_tokens)
+            return (f"kv_cache_gib: auto sized the KV pool to {self.kv_cache_tokens:,} token positions and "
+                    f"prefill_tokens to {self.prefill_tokens:,}")
         tokens, fit, planned = budget.planned_tokens, budget.fitting_tokens, budget.planned_bytes
         sized_by = "engine.kv_cache_tokens / kv_cache_gib"
         if self.kv_cache_tokens is None and self.kv_cache_gib is None:
@@ -268,6 +281,9 @@ class FastEngine(RolloutEngine):
                 sized_by = "what fits the GPU"
         return (f"paged KV pool: {tokens:,} token positions, {planned / 1024**3:.1f} GiB ({sized_by}); "
                 f"{fit:,} fit beside the rest of the rollout phase")
+
+    def prefill_size(self) -> int | None:
+        return self.prefill_tokens
 
     def release(self) -> None:
         """Free the KV caches, buffers and captured graphs (re-allocated and re-captured by the
@@ -303,7 +319,7 @@ class FastEngine(RolloutEngine):
     def _pool_pages(self, capacity: int, length: int) -> int:
         """Pages of the paged pool, the scratch page included (see ``kv_cache_tokens``)."""
         page = self.kv_page_size
-        if self.kv_cache_gib is not None:
+        if self.kv_cache_gib is not None and self.kv_cache_gib != "auto":
             per_page = page * sum(m.kv_bytes_per_token() for m in self.models.values())
             return max(int(self.kv_cache_gib * 1024**3 // per_page), 2)
         if self.kv_cache_tokens is not None:

@@ -1,0 +1,81 @@
+"""A CUDA out-of-memory in a step, as one line: the phase it happened in and the setting to lower.
+
+The memory plan (``training.memory``) stops a run that would not fit before its first step; what
+it does not foresee still ends as ``torch.OutOfMemoryError`` deep inside a forward. ``phase``
+turns that into a ``DeviceMemoryError`` naming where (rollout prefill, rollout decode, update,
+evaluation) and what to lower. Nothing is saved on the way out: the last checkpoint stays the one
+written after the last finished step (a step cut short is not a state to resume from).
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from tandem_lit.errors import DeviceMemoryError
+
+# functions of the engines' prefill path (FastEngine's refill: continuous.py -> plain.py / hybrid.py -> blocks.py)
+PREFILL_FRAMES = {"_admit", "_prefill_forward", "prefill_forward", "prefill_with_cache", "prefill", "_place", "store_prefill"}
+ALLOCATION_FRAMES = {"_ensure_capacity", "allocate"}  # the KV pool and decode buffers, made at a generate's start
+
+ADVICE = {
+    "rollout prefill": "lower engine.prefill_tokens (padded positions one prefill holds) or the KV pool "
+                       "(engine.kv_cache_gib / kv_cache_tokens); kv_cache_gib: auto sizes both from the card",
+    "rollout KV pool allocation": "lower the KV pool (engine.kv_cache_gib / kv_cache_tokens) or rollout.batch_size; "
+                                  "kv_cache_gib: auto sizes the pool from the card",
+    "rollout decode": "lower the KV pool (engine.kv_cache_gib / kv_cache_tokens) or rollout.batch_size; "
+                      "kv_cache_gib: auto sizes the pool from the card",
+    "update": "lower memory.micro_batch_tokens (tokens one pass holds) or memory.forward_only_pass_scale, or set "
+              "memory.gradient_checkpointing: true",
+    "evaluation": "lower data.eval_batch_size / data.batch_size (rows an evaluation batch rolls out) or the KV pool "
+                  "(engine.kv_cache_gib / kv_cache_tokens)",
+}
+
+
+def rollout_part(err: BaseException) -> str:
+    """Which part of a rollout ran out: its prefill, the pool's allocation or the decode steps
+    (read from the functions the error went through)."""
+    names = {frame.name for frame in traceback.extract_tb(err.__traceback__)}
+    if names & PREFILL_FRAMES:
+        return "rollout prefill"
+    if names & ALLOCATION_FRAMES:
+        return "rollout KV pool allocation"
+    return "rollout decode"
+
+
+def last_checkpoint(trainer) -> str | None:
+    """The newest ``last.ckpt`` this run wrote or resumed from, if any."""
+    if trainer is None:
+        return None
+    for callback in getattr(trainer, "checkpoint_callbacks", []):
+        path = getattr(callback, "last_model_path", "") or ""
+        if path and Path(path).exists():
+            return path
+    resumed = getattr(trainer, "ckpt_path", None)
+    return str(resumed) if resumed and Path(str(resumed)).exists() else None
+
+
+def memory_line(phase: str, err: BaseException, device, trainer=None) -> str:
+    where = rollout_part(err) if phase == "rollout" else phase
+    held = ""
+    if isinstance(device, torch.device) and device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        held = f" ({torch.cuda.memory_reserved(device) / 1024**3:.1f} of {total / 1024**3:.1f} GiB reserved by PyTorch)"
+    checkpoint = last_checkpoint(trainer)
+    kept = (f"the last checkpoint, {checkpoint}, is intact: resume with --ckpt_path {checkpoint}" if checkpoint
+            else "no checkpoint was written before it")
+    return f"CUDA out of memory in the {where}{held}: {ADVICE[where]}; {kept}"
+
+
+@contextmanager
+def phase(name: str, device, trainer=None) -> Iterator[None]:
+    """Raise ``DeviceMemoryError`` (one line) for a ``torch.OutOfMemoryError`` inside: ``name`` is
+    ``rollout`` (refined to prefill, pool allocation or decode), ``update`` or ``evaluation``."""
+    try:
+        yield
+    except torch.OutOfMemoryError as err:
+        raise DeviceMemoryError(memory_line(name, err, device, trainer)) from err
