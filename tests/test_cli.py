@@ -120,7 +120,7 @@ def test_fit_reinforce_objectives(tmp_path, objective, init_args, run_folder):
     config = yaml.safe_load((root / "config.yaml").read_text())
     assert config["model"]["init_args"]["objective"] == {
         "class_path": f"tandem_lit.objectives.{objective}",
-        "init_args": {**init_args, "aggregation": "token-mean", "tis_cap": None},
+        "init_args": {**init_args, "aggregation": "token-mean", "tis_cap": None, "tis_level": "token", "geo_mask": None},
     }
     # random tiny models never answer correctly: positive-only REINFORCE has nothing to learn
     # from (loss 0, no rollout included); soft-masked REINFORCE pushes the failures down (c=-0.5)
