@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from tandem_lit.rollout.handoff import HandoffPolicy, TokenClasses
-from tandem_lit.rollout.record import Author, PromptBatch, Rollout
+from tandem_lit.rollout.record import Author, PausedSequence, PromptBatch, Rollout
 from tandem_lit.rollout.sampling import SamplingConfig, sample_tokens, uniform
 from tandem_lit.rollout.switch import set_log_mass, switch_codes
 
@@ -155,6 +155,19 @@ class TandemDecoder:
         step counters, so their RNG draws, included)."""
         for buffer, values in zip(self.per_row(), saved):
             buffer.index_copy_(0, rows, values.to(buffer.device))
+
+    def pause(self, rows: Tensor) -> list[PausedSequence]:
+        """The sequences of ``rows`` as ``PausedSequence``s (host copies): what they wrote and their
+        whole decoding state, to go on with in a later ``generate`` (``resume``)."""
+        saved = [x.cpu() for x in self.save(rows)]
+        written = self.t[rows].tolist()
+        return [PausedSequence(n, saved[3][i, :n].clone(), saved[4][i, :n].clone(), [x[i] for x in saved])
+                for i, n in enumerate(written)]
+
+    def resume(self, rows: Tensor, paused: list[PausedSequence]) -> None:
+        """Put paused sequences (``pause``, possibly of another decoder of the same policy and
+        sampling) into ``rows``: they go on where they stopped."""
+        self.restore(rows, [torch.stack(parts) for parts in zip(*(p.state for p in paused))])
 
     def vacate(self) -> None:
         """Mark every row empty (finished), before sequences are admitted into some of them."""
