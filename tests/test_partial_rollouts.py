@@ -86,3 +86,109 @@ def test_a_paused_and_resumed_sequence_writes_what_an_uninterrupted_one_does(tok
         for name in ("handoffs", "decisions", "junior_draws"):
             assert int(getattr(again, name)[j]) == int(getattr(want, name)[i]), name
         torch.testing.assert_close(again.senior_logprobs[j, :n], want.senior_logprobs[i, :n], rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- the rollout phase
+
+def tiny_module(engine, partial=None, objective=None, **settings):
+    from tandem_lit.models import ModelSource
+    from tandem_lit.objectives import GRPO
+    from tandem_lit.training.module import TandemModule
+    from tandem_lit.verifiers import GSM8KVerifier
+    from tests.conftest import grouped_settings
+
+    module = TandemModule(**grouped_settings(
+        senior=ModelSource("configs/tiny/senior", random_init=True, init_seed=1, dtype="float32"),
+        junior=ModelSource("configs/tiny/junior", random_init=True, init_seed=2, dtype="float32"),
+        verifier=GSM8KVerifier(), objective=objective or GRPO(), handoff=WordHandoff(0.5), engine=engine,
+        sampling=SamplingConfig(temperature=1.0, n=2, max_new_tokens=20, ignore_eos=True), partial=partial,
+        **settings,
+    ))
+    module.configure_model()
+    # long-tailed lengths on random weights: each sequence's budget from its seed
+    module.rollouts.token_budgets = lambda seeds: (seeds.abs() % 19) + 2
+    return module
+
+
+ENGINES = {
+    "hf": lambda: HFEngine(rollout_dtype="float32", check_every=2),
+    "fast": lambda: FastEngine(kernels="torch", rollout_dtype="float32", check_every=2),
+}
+ROWS_A = [{"prompt": f"Q: {i}+{i}?", "answer": str(2 * i)} for i in range(4)]
+ROWS_B = [{"prompt": f"Q: {i}*3?", "answer": str(3 * i)} for i in range(4)]
+
+
+def rows_of(result, group: int) -> list[int]:
+    return [i for i, g in enumerate(result.group.tolist()) if g == group]
+
+
+def same_rollout_rows(got, i: int, want, j: int) -> None:
+    n = int(want.lengths[j])
+    assert int(got.lengths[i]) == n
+    assert got.completion_ids[i, :n].tolist() == want.completion_ids[j, :n].tolist()
+    assert got.author[i, :n].tolist() == want.author[j, :n].tolist()
+    torch.testing.assert_close(got.senior_logprobs[i, :n], want.senior_logprobs[j, :n], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_a_step_trains_complete_groups_and_carries_the_rest_to_resume_first(kind):
+    """in_flight 6 over batches of 4: the first step trains 2 groups and carries 2 (paused
+    mid-sequence); the next step resumes them first, and with unchanged weights they end with the
+    tokens an uninterrupted rollout writes."""
+    from tandem_lit.training.settings import PartialRollouts
+
+    module = tiny_module(ENGINES[kind](), PartialRollouts(in_flight_prompts=6, max_staleness=2))
+    phase = module.rollouts
+    want = phase.generate(ROWS_A, WordHandoff(0.5), phase.settings.sampling, key=7).rollout  # uninterrupted
+    first, stats = phase.training_rollouts(ROWS_A, WordHandoff(0.5), key=7)
+    assert stats["partial_trained_groups"] == 2 and stats["partial_carried_groups"] == 2
+    assert stats["partial_in_flight_groups"] == 4 and stats["partial_paused_sequences"] > 0
+    assert first.rollout.finished.logical_or(first.rollout.truncated).all()  # only ended rollouts train
+    carried = [ROWS_A.index(g.row) for g in phase.in_flight.groups]
+    trained = [i for i in range(4) if i not in carried]
+    for place, group in enumerate(trained):  # a trained group is the uninterrupted one
+        for i, j in zip(rows_of(first, place), (2 * group, 2 * group + 1)):
+            same_rollout_rows(first.rollout, i, want, j)
+    assert stats["stale_token_fraction"] == 0.0
+    second, stats = phase.training_rollouts(ROWS_B, WordHandoff(0.5), key=8)
+    assert stats["partial_carried_in_groups"] == 2 and stats["partial_in_flight_groups"] == 6
+    assert stats["partial_resumed_sequences"] > 0 and stats["partial_trained_groups"] == 4
+    assert second.columns["answer"][:4] == [ROWS_A[g]["answer"] for g in carried for _ in range(2)]  # carried first
+    for place, group in enumerate(carried):
+        for i, j in zip(rows_of(second, place), (2 * group, 2 * group + 1)):
+            same_rollout_rows(second.rollout, i, want, j)
+    assert stats["stale_token_fraction"] == 0.0  # the weights did not move between the steps
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_stale_tokens_are_counted_and_bounded_in_both_modes(kind):
+    from tandem_lit.training.settings import PartialRollouts
+
+    # correct: carried once at max_staleness 1, a group must finish and train in the next phase
+    module = tiny_module(ENGINES[kind](), PartialRollouts(in_flight_prompts=6, max_staleness=1, stale="correct"))
+    phase = module.rollouts
+    phase.training_rollouts(ROWS_A, WordHandoff(0.5), key=7)
+    carried = list(phase.in_flight.groups)
+    phase.policy_moved()  # an update (the weights are the same: the rollouts stay comparable)
+    result, stats = phase.training_rollouts(ROWS_B, WordHandoff(0.5), key=8)
+    holding = [g for g in carried if g.oldest_senior() is not None]
+    assert holding and stats["partial_finished_stale_sequences"] > 0
+    assert all(g not in phase.in_flight.groups for g in holding)  # they trained: none is carried further
+    assert 0 < stats["stale_token_fraction"] < 1 and stats["stale_token_mean_age"] == 1.0
+    senior = result.rollout.author.long() == 2
+    assert int(result.rollout.staleness[~senior].abs().sum()) == 0  # junior tokens are never stale
+    # redraw: two updates later, what the carried sequences wrote is dropped, drawn again from the prompt
+    module = tiny_module(ENGINES[kind](), PartialRollouts(in_flight_prompts=6, max_staleness=1, stale="redraw"))
+    phase = module.rollouts
+    want = phase.generate(ROWS_A, WordHandoff(0.5), phase.settings.sampling, key=7).rollout
+    phase.training_rollouts(ROWS_A, WordHandoff(0.5), key=7)
+    carried = list(phase.in_flight.groups)
+    phase.policy_moved(2)
+    result, stats = phase.training_rollouts(ROWS_B, WordHandoff(0.5), key=8)
+    assert stats["partial_redrawn_sequences"] > 0
+    assert stats["stale_token_fraction"] == 0.0  # a redrawn sequence is written by the new weights only
+    trained = [g for g in carried if g not in phase.in_flight.groups]  # carried groups train first
+    assert trained
+    for place, group in enumerate(ROWS_A.index(g.row) for g in trained):
+        for i, j in zip(rows_of(result, place), (2 * group, 2 * group + 1)):
+            same_rollout_rows(result.rollout, i, want, j)  # same seed, same (unchanged) weights

@@ -253,6 +253,7 @@ class UpdatePhase:
                         advantages=advantages[micro],
                         mask=allowed[micro] if allowed is not None else None,
                         rollout_logp=part.senior_logprobs,
+                        stale=part.staleness > 0 if part.staleness is not None else None,
                     )
                     loss, metrics = self.objective.loss_and_metrics(inputs, scale)
                     self.backward(loss * world)  # FSDP averages gradients over ranks
