@@ -19,6 +19,7 @@ from tests.test_continuous_batching import JUNIOR_PROMPTS, queue_batch
 from tests.test_fast_engine import build
 
 SAMPLED = SamplingConfig(temperature=1.0, max_new_tokens=24, seed=3)
+pytestmark = pytest.mark.filterwarnings(r"ignore:.*module\(s\) in eval mode")  # the frozen junior, on purpose
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +116,7 @@ ENGINES = {
     "fast": lambda: FastEngine(kernels="torch", rollout_dtype="float32", check_every=2),
 }
 ROWS_A = [{"prompt": f"Q: {i}+{i}?", "answer": str(2 * i)} for i in range(4)]
-ROWS_B = [{"prompt": f"Q: {i}*3?", "answer": str(3 * i)} for i in range(4)]
+ROWS_B = [{"prompt": f"Q: {i}*3+100?", "answer": str(3 * i + 100)} for i in range(4)]
 
 
 def rows_of(result, group: int) -> list[int]:
@@ -192,3 +193,118 @@ def test_stale_tokens_are_counted_and_bounded_in_both_modes(kind):
     for place, group in enumerate(ROWS_A.index(g.row) for g in trained):
         for i, j in zip(rows_of(result, place), (2 * group, 2 * group + 1)):
             same_rollout_rows(result.rollout, i, want, j)  # same seed, same (unchanged) weights
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_with_nothing_to_carry_partial_rollouts_train_token_for_token_as_today(kind, tmp_path):
+    """``rollout.partial`` whose in-flight groups are just the batch ends each phase when every
+    group is complete: two training steps give the rollouts and the weights of the setting absent
+    (today's path), bit for bit."""
+    import lightning as L
+
+    from tandem_lit.data import GSM8KDataModule
+    from tandem_lit.training.settings import PartialRollouts
+
+    def run(partial):
+        module = tiny_module(ENGINES[kind](), partial, optimizer=lambda params: torch.optim.SGD(params, lr=0.5))
+        seen = []
+        original = module.rollouts.training_rollouts
+
+        def recorded(*args, **kwargs):
+            result, stats = original(*args, **kwargs)
+            seen.append(result)
+            return result, stats
+
+        module.rollouts.training_rollouts = recorded
+        trainer = L.Trainer(max_steps=2, logger=False, enable_checkpointing=False, limit_val_batches=0, accelerator="cpu",
+                            devices=1, enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path))
+        trainer.fit(module, datamodule=GSM8KDataModule(source="data/gsm8k-sample", val_size=4, batch_size=2))
+        return module, seen
+
+    today, today_rollouts = run(None)
+    partial, partial_rollouts = run(PartialRollouts(in_flight_prompts=2))
+    assert len(today_rollouts) == len(partial_rollouts) == 2
+    for a, b in zip(today_rollouts, partial_rollouts):
+        assert a.rollout.texts == b.rollout.texts and a.group.tolist() == b.group.tolist()
+        for name in ("completion_ids", "author", "senior_logprobs", "finished", "truncated"):
+            assert torch.equal(getattr(a.rollout, name), getattr(b.rollout, name)), name
+        assert int(b.rollout.staleness.abs().sum()) == 0
+    for (name, p), q in zip(today.senior.named_parameters(), partial.senior.parameters()):
+        assert torch.equal(p, q), name
+    assert [row["train/loss"] for row in today.history] == [row["train/loss"] for row in partial.history]
+
+
+def test_the_decoupled_correction_weights_stale_senior_tokens_by_hand():
+    """Stale senior tokens: min(exp(old - behaviour), cap); fresh and junior tokens keep the
+    objective's factor (1 without tis_cap, its own truncated weight with it)."""
+    from tandem_lit.objectives import GRPO
+    from tandem_lit.objectives.base import ObjectiveInputs
+
+    S, J = 2, 3
+    author = torch.tensor([[S, S, S, J]])
+    old = torch.log(torch.tensor([[0.6, 0.9, 0.3, 0.5]]))
+    behaviour = torch.log(torch.tensor([[0.4, 0.3, 0.3, 0.1]]))  # weights 1.5, 3, 1, (junior)
+    stale = torch.tensor([[True, True, False, True]])
+    inputs = ObjectiveInputs(logp=old.clone(), author=author, rewards=torch.ones(1), group=torch.zeros(1, dtype=torch.long),
+                             old_logp=old, rollout_logp=behaviour, stale=stale)
+    counted = author > 0
+    objective = GRPO()
+    objective.stale_cap = 2.0
+    factor, metrics = objective.importance_correction(inputs, counted)
+    torch.testing.assert_close(factor, torch.tensor([[1.5, 2.0, 1.0, 1.0]]))
+    torch.testing.assert_close(metrics["stale_weight_mean"], torch.tensor(1.75))
+    torch.testing.assert_close(metrics["stale_capped_fraction"], torch.tensor(0.5))
+    with_tis = GRPO(tis_cap=1.2)  # the objective's factor on fresh tokens, the decoupled one on stale ones
+    with_tis.stale_cap = 2.0
+    factor, _ = with_tis.importance_correction(inputs, counted)
+    torch.testing.assert_close(factor, torch.tensor([[1.5, 2.0, 1.0, 1.0]]))
+    fresh = ObjectiveInputs(**{**vars(inputs), "stale": torch.zeros_like(stale)})
+    factor, _ = with_tis.importance_correction(fresh, counted)
+    torch.testing.assert_close(factor, torch.tensor([[1.2, 1.2, 1.0, 1.0]]))
+    objective.stale_cap = None  # correction: tis (or none): the stale mask changes nothing
+    assert objective.importance_correction(inputs, counted)[0] == 1.0
+
+
+def test_bad_partial_settings_and_engines_that_cannot_pause_fail_in_one_line(tokenizer):
+    from tandem_lit.errors import ConfigError
+    from tandem_lit.objectives import GRPO
+    from tandem_lit.rollout.text_handoff import TextHandoffEngine
+    from tandem_lit.training.partial import use_correction
+    from tandem_lit.training.settings import DynamicSampling, PartialRollouts, RolloutSettings
+
+    with pytest.raises(ConfigError, match="max_staleness must be >= 1"):
+        PartialRollouts(in_flight_prompts=4, max_staleness=0)
+    with pytest.raises(ConfigError, match="stale must be"):
+        PartialRollouts(in_flight_prompts=4, stale="drop")
+    with pytest.raises(ConfigError, match="cannot be combined"):
+        RolloutSettings(partial=PartialRollouts(4), dynamic_sampling=DynamicSampling(2))
+    with pytest.raises(ConfigError, match="tis_cap"):
+        use_correction(PartialRollouts(4, correction="tis"), GRPO())
+    module = tiny_module(TextHandoffEngine(rollout_dtype="float32"), PartialRollouts(in_flight_prompts=6))
+    with pytest.raises(ConfigError, match="TextHandoffEngine does not"):
+        module.rollouts.training_rollouts(ROWS_A, WordHandoff(0.5), key=7)
+
+
+def test_carried_groups_are_saved_and_redrawn_on_resume_so_no_row_is_lost():
+    from tandem_lit.training.settings import PartialRollouts
+
+    settings = PartialRollouts(in_flight_prompts=6)
+    module = tiny_module(ENGINES["fast"](), settings)
+    phase = module.rollouts
+    want = phase.generate(ROWS_A, WordHandoff(0.5), phase.settings.sampling, key=7).rollout
+    first, _ = phase.training_rollouts(ROWS_A, WordHandoff(0.5), key=7)
+    state = phase.in_flight.state_dict()
+    carried = [ROWS_A.index(g.row) for g in phase.in_flight.groups]
+    assert len(carried) == 2 and [g["row"] for g in state["groups"]] == [ROWS_A[i] for i in carried]
+    resumed = tiny_module(ENGINES["fast"](), settings)  # a new process, from the checkpoint
+    resumed.rollouts.in_flight.load_state_dict(state)
+    assert all(m.written == 0 for g in resumed.rollouts.in_flight.groups for m in g.members)
+    second, stats = resumed.rollouts.training_rollouts(ROWS_B, WordHandoff(0.5), key=8)
+    assert stats["partial_carried_in_groups"] == 2 and stats["partial_resumed_sequences"] == 0
+    left = [ROWS_A.index(g.row) for g in resumed.rollouts.in_flight.groups if g.row in ROWS_A]
+    answers = first.columns["answer"][::2] + second.columns["answer"][::2]
+    for i, row in enumerate(ROWS_A):  # every row of the first batch trained once, or is still in flight
+        assert answers.count(row["answer"]) + left.count(i) == 1, row
+    for place, group in enumerate(g for g in carried if g not in left):  # carried groups train first
+        for i, j in zip(rows_of(second, place), (2 * group, 2 * group + 1)):
+            same_rollout_rows(second.rollout, i, want, j)  # redrawn from its seed: the uninterrupted rollout
