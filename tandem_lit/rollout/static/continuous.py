@@ -92,7 +92,8 @@ class ContinuousRun:
         if prompts.resumes:
             for sequence, paused in enumerate(prompts.resume):
                 if paused is not None and paused.state is not None:
-                    self.paused[sequence] = ([x.to(buf.slot.device) for x in paused.state], paused.tokens.to(buf.slot.device))
+                    state = [x.to(buf.slot.device) for x in decoder.fit_state(paused.state)]
+                    self.paused[sequence] = (state, paused.tokens.to(buf.slot.device))
         self.ended = [False] * prompts.batch_size
         self.stopped = False
         decoder.vacate()
