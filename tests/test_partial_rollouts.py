@@ -308,3 +308,21 @@ def test_carried_groups_are_saved_and_redrawn_on_resume_so_no_row_is_lost():
     for place, group in enumerate(g for g in carried if g not in left):  # carried groups train first
         for i, j in zip(rows_of(second, place), (2 * group, 2 * group + 1)):
             same_rollout_rows(second.rollout, i, want, j)  # redrawn from its seed: the uninterrupted rollout
+
+
+def test_the_train_step_benchmark_prints_the_partial_over_today_rollout_ratio(repo_root):
+    import os
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "benchmarks/train_step.py", "--device", "cpu", "--tiny", "--arms", "grpo", "--max-new-tokens", "16",
+         "--lengths", "lognormal:median=6,sigma=0.8,cap=16", "--partial", "3", "--warmup-steps", "1", "--steps", "2"],
+        cwd=repo_root, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(repo_root)},
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.strip().splitlines()
+    ratio = next(line for line in lines if line.startswith("grpo_partial_over_today_rollout="))
+    assert float(ratio.split("=")[1].split()[0]) > 0
+    assert "grpo+partial partial: 3 groups in flight, 2 trained, 1 carried" in run.stdout
+    assert lines[-1].startswith("grpo_step_seconds=")  # today's arm is still reported as before
