@@ -6,7 +6,8 @@
          -> authorship check (fail closed) -> verifier -> RolloutResult
 
 Dynamic sampling (DAPO) repeats this over more of the data batch until enough prompt groups have
-rewards that differ. On several processes every rank takes its share of a step's groups
+rewards that differ. Partial rollouts (``rollout.partial``) keep more groups in flight than a step
+trains, across steps (``partial.InFlight``). On several processes every rank takes its share of a step's groups
 (``distributed.Shares``), and every rank decides which groups those are as one process would.
 Validation and test draw their rollouts through the same ``generate``.
 """
