@@ -326,3 +326,23 @@ def test_the_train_step_benchmark_prints_the_partial_over_today_rollout_ratio(re
     assert float(ratio.split("=")[1].split()[0]) > 0
     assert "grpo+partial partial: 3 groups in flight, 2 trained, 1 carried" in run.stdout
     assert lines[-1].startswith("grpo_step_seconds=")  # today's arm is still reported as before
+
+
+def test_an_engine_without_a_queue_decodes_whole_groups_per_call_and_leaves_the_rest_unstarted():
+    """HFEngine with rollout.batch_size 4 (two groups a call): the first call completes the step's
+    two groups, the next is not started; its groups are carried with nothing written, and train
+    first in the next step, as an uninterrupted rollout writes them."""
+    from tandem_lit.training.settings import PartialRollouts
+
+    module = tiny_module(ENGINES["hf"](), PartialRollouts(in_flight_prompts=6), rollout_batch_size=4)
+    phase = module.rollouts
+    want = phase.generate(ROWS_A, WordHandoff(0.5), phase.settings.sampling, key=7).rollout
+    first, stats = phase.training_rollouts(ROWS_A, WordHandoff(0.5), key=7)
+    assert stats["partial_trained_groups"] == 2 and stats["partial_paused_sequences"] == 0
+    assert [ROWS_A.index(g.row) for g in phase.in_flight.groups] == [2, 3]
+    assert all(m.written == 0 and m.done is None for g in phase.in_flight.groups for m in g.members)
+    second, stats = phase.training_rollouts(ROWS_B, WordHandoff(0.5), key=8)
+    assert stats["partial_trained_groups"] == 4
+    for place, group in enumerate((2, 3)):
+        for i, j in zip(rows_of(second, place), (2 * group, 2 * group + 1)):
+            same_rollout_rows(second.rollout, i, want, j)
