@@ -355,9 +355,8 @@ def test_training_with_partial_rollouts_measures_the_engine_gap_on_fresh_tokens_
     import lightning as L
 
     from tandem_lit.data import GSM8KDataModule
-    from tandem_lit.training.settings import PartialRollouts
-
     from tandem_lit.objectives import SoftMaskedReinforce
+    from tandem_lit.training.settings import PartialRollouts
 
     # random tiny models never answer right: failed rollouts' weight -0.5 still gives a gradient
     module = tiny_module(ENGINES["fast"](), PartialRollouts(in_flight_prompts=3, max_staleness=2),
@@ -377,3 +376,29 @@ def test_training_with_partial_rollouts_measures_the_engine_gap_on_fresh_tokens_
     saved = torch.load(path, weights_only=False)["tandem_lit_partial"]
     assert len(saved["groups"]) == len(module.rollouts.in_flight.groups) == 1
     assert saved["groups"][0]["row"]["prompt"] == module.rollouts.in_flight.groups[0].row["prompt"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache", ["slots", "paged"])
+def test_pause_and_resume_on_cuda_graphs_and_triton_kernels(tokenizer, kv_cache):
+    """The GPU path: paused rows saved from the captured decode's buffers, resumed through the
+    refill prefill and the graphs again (float32: exact up to kernel order; a rare near-tie may
+    break the other way, so rows are compared whole and all but one must match)."""
+    from tests.test_continuous_batching import cuda_pair
+
+    senior, junior = cuda_pair(len(tokenizer), "plain")
+    pool = dict(kv_cache="paged", kv_page_size=4, kv_cache_tokens=60) if kv_cache == "paged" else {}
+    engine = FastEngine(rollout_dtype="float32", check_every=2, **pool)
+    engine.setup(senior, junior, tokenizer, max_batch=3)
+    prompts = queue_batch(tokenizer, JUNIOR_PROMPTS).to("cuda")
+    for policy in (SoloHandoff("senior"), WordHandoff(p=0.5)):
+        want = engine.generate(prompts, policy, SAMPLED)
+        stop = StopRule(group=[i // 2 for i in range(prompts.batch_size)], groups=1)
+        first = engine.generate(prompts, policy, SAMPLED, stop)
+        paused = [i for i, p in enumerate(first.paused or []) if p is not None]
+        assert paused and any(first.paused[i].written for i in paused)
+        again = engine.generate(resumed(prompts.select(paused), [first.paused[i] for i in paused]), policy, SAMPLED)
+        same = [j for j, i in enumerate(paused) if torch.equal(again.completion_ids[j, : int(want.lengths[i])],
+                                                                want.completion_ids[i, : int(want.lengths[i])])
+                and int(again.lengths[j]) == int(want.lengths[i])]
+        assert len(same) >= len(paused) - 1, f"only {same} of {paused} match"
