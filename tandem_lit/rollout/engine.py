@@ -288,9 +288,11 @@ class RolloutEngine(ABC):
             raise ConfigError(f"{policy!r} needs a junior model, but none is configured")
 
     @abstractmethod
-    def generate(self, prompts: PromptBatch, policy: HandoffPolicy, sampling: SamplingConfig) -> Rollout:
-        """Rollouts for a batch of prompts (one row per rollout). An engine that ``pauses`` also
-        takes ``stop: StopRule | None`` and reads ``prompts.resume``."""
+    def generate(self, prompts: PromptBatch, policy: HandoffPolicy, sampling: SamplingConfig,
+                 stop: StopRule | None = None) -> Rollout:
+        """Rollouts for a batch of prompts (one row per rollout). ``stop`` and ``prompts.resume``
+        (partial rollouts) are given only to an engine that ``pauses``: it ends the call once
+        ``stop`` is reached, the rows still running in ``Rollout.paused``."""
 
 
 def with_responses(ids: Tensor, mask: Tensor, responses: list[Tensor | None]) -> tuple[Tensor, Tensor]:
