@@ -141,7 +141,9 @@ class ContinuousRun:
             elif (size := table.smaller_batch()) is not None:
                 self._compact(size)
         self.clock.mark()
-        self.live_steps = int((results["authors"] != 0).sum())
+        # tokens written in this call: resumed sequences' earlier tokens were not decoded here
+        earlier = sum(p.written for p in prompts.resume or [] if p is not None and p.state is not None)
+        self.live_steps = int((results["authors"] != 0).sum()) - earlier
         return results
 
     def _retire(self, finished: list[bool], results: dict[str, Tensor]) -> None:
