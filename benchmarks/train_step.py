@@ -111,6 +111,9 @@ def model_folder(hub_name: str, tokenizer: str, root: Path) -> str:
     return str(folder)
 
 
+PARTIAL = "+partial"  # an arm's name with this suffix: the same arm with rollout.partial (--partial)
+
+
 def build_module(model_args: dict, arm: str, args, root: Path):
     """TandemModule from the config's ``model`` section (jsonargparse, as the CLI reads it) with
     the benchmark's overrides; ``arm`` grpo turns the handoff solo and drops the junior, and
@@ -121,6 +124,7 @@ def build_module(model_args: dict, arm: str, args, root: Path):
     import tandem_lit.rollout  # noqa: F401
     from tandem_lit.training.module import TandemModule
 
+    partial, arm = arm.endswith(PARTIAL), arm.removesuffix(PARTIAL)
     init = copy.deepcopy(model_args)
     init.pop("verifier")
     if not args.tiny:
@@ -174,6 +178,8 @@ def build_module(model_args: dict, arm: str, args, root: Path):
         init["engine"] = dict(engine, init_args=dict(kept, kv_cache=args.kv_cache, **pool))
     evaluation = init["evaluation"] = dict(init.get("evaluation") or {}, at_start=False, modes=["senior"])
     init["logging"] = dict(init.get("logging") or {}, completions_every_n_steps=0)
+    if partial:  # partial rollouts: more prompt groups in flight than a step trains
+        rollout["partial"] = {"in_flight_prompts": args.partial, "max_staleness": args.max_staleness}
     if arm in ("grpo", "grpo-vllm"):
         init["handoff"] = {"class_path": "SoloHandoff", "init_args": {"author": "senior"}}
         init.pop("junior", None)
@@ -481,6 +487,12 @@ class StepReport(L.Callback):
         step["update_mfu"] = flops / (step["update_seconds"] * self.peak_tflops * 1e12)
         step["update_trained_tokens"] = sum(shapes["prompts"]) + sum(shapes["completions"]) if shapes else 0
         self.steps.append(step)
+        if "train/partial_in_flight_groups" in row:
+            say(f"{self.arm:>7} partial: {row['train/partial_in_flight_groups']:.0f} groups in flight, "
+                f"{row['train/partial_trained_groups']:.0f} trained, {row['train/partial_carried_groups']:.0f} carried "
+                f"({row['train/partial_paused_sequences']:.0f} sequences paused); stale tokens "
+                f"{row.get('train/stale_token_fraction', 0.0):.1%} (mean age {row.get('train/stale_token_mean_age', 0.0):.2f}); "
+                f"busy slots {row.get('train/rollout_busy_slot_fraction', float('nan')):.0%}")
         roofline = (f" ({step['decode_roofline_share']:.0%} of the roofline of every row decoding at once, {step['roofline_ms']:.2f} ms)"
                     if self.fixed_lengths else "")
         preempted = (f"{step['preemptions']:.0f} preempted, {step['resumed_tokens']:,.0f} tokens prefilled again to resume, pool "
@@ -658,6 +670,10 @@ def main() -> None:
     parser.add_argument("--lengths", default="fixed",
                         help="fixed (every rollout runs max_new_tokens), or lognormal[:median=1000,sigma=0.8,cap=3000]: "
                              "each rollout's length drawn from its seed (the long tail of real RL responses)")
+    parser.add_argument("--partial", type=int, default=None, metavar="IN_FLIGHT",
+                        help="also run each arm with rollout.partial (IN_FLIGHT prompt groups in flight; docs/partial_rollouts.md) "
+                             "and print the ratio of its rollout time to today's")
+    parser.add_argument("--max-staleness", type=int, default=1, help="with --partial: rollout.partial.max_staleness")
     parser.add_argument("--dump-logprobs", default=None, metavar="FILE",
                         help="write every update pass's rows with the engine's and the training forward's log-probs "
                              "to FILE.<arm>.pt (to take a log-prob gap apart offline)")
@@ -701,9 +717,17 @@ def main() -> None:
         say(f"# {args.config} on {name} x {args.devices} ({args.strategy or 'one process'}); copy bandwidth {bandwidth / 1e12:.2f} TB/s; {args.prompts} prompts x "
               f"n={args.n or model_args['rollout']['sampling']['n']} x {args.max_new_tokens or model_args['rollout']['sampling']['max_new_tokens']} "
               f"tokens; lora={args.lora}")
-        results = {arm: run_arm(arm, model_args, trainer_args, args, root, bandwidth) for arm in args.arms}
+        arms = [name for arm in args.arms for name in ((arm, arm + PARTIAL) if args.partial else (arm,))]
+        results = {arm: run_arm(arm, model_args, trainer_args, args, root, bandwidth) for arm in arms}
     if not rank_zero():
         return  # rank 0 writes the results
+    if args.partial:
+        for arm in args.arms:  # mean over the measured steps: carried groups make a step's rollout differ from the next
+            today, partial = (sum(s[key] for s in results[a]["steps"]) / len(results[a]["steps"])
+                              for a in (arm, arm + PARTIAL) for key in ("rollout_seconds",))
+            print(f"{arm}_partial_over_today_rollout={partial / today:.2f} (in flight {args.partial}, "
+                  f"max_staleness {args.max_staleness}; mean over {args.steps} measured steps)")
+        results = {arm: r for arm, r in results.items() if not arm.endswith(PARTIAL)}
     if args.json:
         Path(args.json).write_text(json.dumps({"config": args.config, "device": name, "bandwidth": bandwidth,
                                                "args": vars(args), "arms": results}, indent=2))

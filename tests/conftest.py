@@ -69,7 +69,7 @@ def tiny_tandem_module(**settings):
 # TandemModule's settings groups and the flat names tests use for their fields
 SETTINGS_GROUPS = {
     "rollout": {"sampling": "sampling", "rollout_batch_size": "batch_size", "max_prompt_tokens": "max_prompt_tokens",
-                "dynamic_sampling": "dynamic_sampling", "prompt_format": "prompt_format",
+                "dynamic_sampling": "dynamic_sampling", "partial": "partial", "prompt_format": "prompt_format",
                 "junior_prompt_format": "junior_prompt_format", "authorship_z": "authorship_z"},
     "update": {name: name for name in ("mini_batch_size", "micro_batch_size", "max_grad_norm", "overlong", "max_idle_steps",
                                        "allow_low_precision_weights", "logp_gap_warning", "logp_gap_limit")},

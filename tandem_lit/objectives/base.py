@@ -48,6 +48,9 @@ class ObjectiveInputs:
     # [N, T] the senior's log-probs as the rollout engine computed them (its bf16 copy): only for
     # truncated importance sampling, never the ratio's denominator (that is ``old_logp``)
     rollout_logp: Tensor | None = None
+    # [N, T] bool: senior tokens written by older weights than the update starts from (partial
+    # rollouts, ``Rollout.staleness`` > 0); None: every token is fresh
+    stale: Tensor | None = None
 
 
 @dataclass
@@ -124,6 +127,9 @@ class Objective(ABC):
 
     #: True when the loss needs log-probs from before the update (importance ratio)
     uses_old_logp: bool = False
+    #: partial rollouts' decoupled correction (``rollout.partial.correction: decoupled``): a stale
+    #: senior token's factor is ``min(exp(old - behaviour), stale_cap)``; None: no such correction
+    stale_cap: float | None = None
     #: True when advantages compare the rollouts of one prompt (needs sampling.n >= 2)
     group_relative: bool = False
 
@@ -171,8 +177,33 @@ class Objective(ABC):
         are averaged over those only, so masked junior tokens never dilute them."""
 
     def importance_correction(self, inputs: ObjectiveInputs, counted: Tensor) -> tuple[Tensor | float, dict[str, Tensor]]:
-        """The truncated-importance-sampling factor of each token (1.0 when ``tis_cap`` is None),
-        per token or per sequence (``tis_level``)."""
+        """The importance factor of each token: the truncated-importance-sampling factor (1.0 when
+        ``tis_cap`` is None), per token or per sequence (``tis_level``); on stale senior tokens,
+        with ``stale_cap``, the decoupled correction instead (``stale_correction``)."""
+        factor, metrics = self.tis_correction(inputs, counted)
+        if self.stale_cap is None or inputs.stale is None:
+            return factor, metrics
+        return self.stale_correction(inputs, counted, factor, metrics)
+
+    def stale_correction(self, inputs: ObjectiveInputs, counted: Tensor, factor: Tensor | float,
+                         metrics: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        """Decoupled PPO (AReaL) on partial rollouts' stale senior tokens: the proximal policy is
+        the trainer's old log-probs, the behaviour policy the engine's log-probs recorded when the
+        token was written (by older weights); the token's factor is ``min(exp(old - behaviour),
+        stale_cap)``, detached, in place of ``factor``. Fresh tokens keep ``factor``."""
+        behaviour = self.engine_logprobs(inputs.rollout_logp, "rollout.partial.correction: decoupled")
+        old = inputs.old_logp if inputs.old_logp is not None else inputs.logp.detach()
+        weight = torch.exp(senior_log_ratio(old, behaviour, inputs.author))
+        stale = inputs.stale & (inputs.author.long() == Author.SENIOR)
+        capped = weight.clamp(max=self.stale_cap)
+        base = factor if isinstance(factor, Tensor) else torch.full_like(capped, float(factor))
+        measured = counted & stale
+        metrics = {**metrics, "stale_weight_mean": masked_mean(capped, measured),
+                   "stale_capped_fraction": masked_mean((weight >= self.stale_cap).float(), measured)}
+        return torch.where(stale, capped, base).detach(), metrics
+
+    def tis_correction(self, inputs: ObjectiveInputs, counted: Tensor) -> tuple[Tensor | float, dict[str, Tensor]]:
+        """The truncated-importance-sampling factor of each token (1.0 when ``tis_cap`` is None)."""
         if self.tis_cap is None:
             return 1.0, {}
         rollout = self.engine_logprobs(inputs.rollout_logp, "tis_cap")

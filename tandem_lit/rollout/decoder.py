@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from tandem_lit.rollout.handoff import HandoffPolicy, TokenClasses
-from tandem_lit.rollout.record import Author, PromptBatch, Rollout
+from tandem_lit.rollout.record import Author, PausedSequence, PromptBatch, Rollout
 from tandem_lit.rollout.sampling import SamplingConfig, sample_tokens, uniform
 from tandem_lit.rollout.switch import set_log_mass, switch_codes
 
@@ -155,6 +155,33 @@ class TandemDecoder:
         step counters, so their RNG draws, included)."""
         for buffer, values in zip(self.per_row(), saved):
             buffer.index_copy_(0, rows, values.to(buffer.device))
+
+    def pause(self, rows: Tensor) -> list[PausedSequence]:
+        """The sequences of ``rows`` as ``PausedSequence``s (host copies): what they wrote and their
+        whole decoding state, to go on with in a later ``generate`` (``resume``)."""
+        saved = [x.cpu() for x in self.save(rows)]
+        written = self.t[rows].tolist()
+        return [PausedSequence(n, saved[3][i, :n].clone(), saved[4][i, :n].clone(), [x[i] for x in saved])
+                for i, n in enumerate(written)]
+
+    def resume(self, rows: Tensor, paused: list[PausedSequence]) -> None:
+        """Put paused sequences (``pause``, possibly of another decoder of the same policy) into
+        ``rows``: they go on where they stopped."""
+        self.restore(rows, [torch.stack(parts) for parts in zip(*(self.fit_state(p.state) for p in paused))])
+
+    def fit_state(self, state: list[Tensor]) -> list[Tensor]:
+        """A paused sequence's saved rows (``per_row`` order) at this decoder's width: a decoder of a
+        larger ``max_new_tokens`` takes them padded (its budget stays the one it was drawn with)."""
+        width = self.tokens.shape[1]
+        if state[3].shape[-1] > width:
+            raise ValueError(f"a paused sequence of up to {state[3].shape[-1] - 1} tokens cannot resume under "
+                             f"sampling.max_new_tokens={width - 1}")
+        fitted = []
+        for i, (buffer, saved) in enumerate(zip(self.per_row(), state)):
+            if buffer.dim() > 1 and saved.shape[-1] < width:
+                saved = torch.nn.functional.pad(saved, (0, width - saved.shape[-1]), value=self.pad_token_id if i == 3 else 0)
+            fitted.append(saved)
+        return fitted
 
     def vacate(self) -> None:
         """Mark every row empty (finished), before sequences are admitted into some of them."""

@@ -14,6 +14,7 @@ trained model itself.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -26,7 +27,7 @@ from torch import Tensor, nn
 from tandem_lit.errors import ConfigError, TokenizerMismatchError
 from tandem_lit.rollout.decoder import TandemDecoder
 from tandem_lit.rollout.handoff import HandoffPolicy, TokenClasses
-from tandem_lit.rollout.record import Author, PromptBatch, Rollout
+from tandem_lit.rollout.record import Author, PromptBatch, Rollout, StopRule
 from tandem_lit.rollout.sampling import SamplingConfig
 from tandem_lit.rollout.weights import (
     build_rollout_copy,
@@ -171,7 +172,7 @@ class RolloutEngine(ABC):
     - read: ``senior`` (what the engine decodes: its rollout copy, or the trained model when that
       needs no conversion), ``trained_senior`` (the model the optimiser updates), ``junior``,
       ``tokenizer``, ``eos_token_ids``, ``pad_token_id``, ``sampled_vocab``, ``queues_rows``,
-      ``needs_partner_prompts``, ``rollout_dtype``, ``kv_pool_size``.
+      ``needs_partner_prompts``, ``pauses``, ``rollout_dtype``, ``kv_pool_size``.
 
     ``rollout_dtype``: ``auto`` (bf16 on a GPU that has it, else the trained weights' dtype),
     ``bfloat16``, ``float16``, ``float32``, or ``live`` (always decode the trained weights in place).
@@ -194,6 +195,10 @@ class RolloutEngine(ABC):
     # True: ``generate`` reads ``PromptBatch.partner`` (the prompts in the junior's own tokens),
     # which the rollout phase then always builds (TextHandoffEngine)
     needs_partner_prompts: bool = False
+    # True: ``generate`` takes ``stop`` (a ``StopRule``: end once enough prompt groups are complete,
+    # the rows still running returned in ``Rollout.paused``) and goes on with paused sequences given
+    # in ``PromptBatch.resume``, token for token as if never paused (``rollout.partial``)
+    pauses: bool = False
 
     def sampled_vocab(self, tokenizer) -> int | None:
         """How many of the senior head's logits the engine samples and scores tokens over (the
@@ -292,8 +297,28 @@ class RolloutEngine(ABC):
             raise ConfigError(f"{policy!r} needs a junior model, but none is configured")
 
     @abstractmethod
-    def generate(self, prompts: PromptBatch, policy: HandoffPolicy, sampling: SamplingConfig) -> Rollout:
-        """Rollouts for a batch of prompts (one row per rollout)."""
+    def generate(self, prompts: PromptBatch, policy: HandoffPolicy, sampling: SamplingConfig,
+                 stop: StopRule | None = None) -> Rollout:
+        """Rollouts for a batch of prompts (one row per rollout). ``stop`` and ``prompts.resume``
+        (partial rollouts) are given only to an engine that ``pauses``: it ends the call once
+        ``stop`` is reached, the rows still running in ``Rollout.paused``."""
+
+
+def with_responses(ids: Tensor, mask: Tensor, responses: list[Tensor | None]) -> tuple[Tensor, Tensor]:
+    """Left-padded prompts [n, W] with each row's response tokens (None: none) appended after its
+    prompt, left-padded again to one width: what a resumed sequence prefills."""
+    lengths = [0 if r is None else r.numel() for r in responses]
+    extra = max(lengths)
+    out_ids = torch.zeros((ids.shape[0], ids.shape[1] + extra), dtype=ids.dtype, device=ids.device)
+    out_mask = torch.zeros_like(out_ids, dtype=mask.dtype)
+    for i, (response, n) in enumerate(zip(responses, lengths)):
+        lead = extra - n
+        out_ids[i, lead : lead + ids.shape[1]] = ids[i]
+        out_mask[i, lead : lead + ids.shape[1]] = mask[i]
+        if n:
+            out_ids[i, lead + ids.shape[1]:] = response.to(ids.device)
+            out_mask[i, lead + ids.shape[1]:] = 1
+    return out_ids, out_mask
 
 
 def model_prompts(prompts: PromptBatch) -> dict[str, tuple[Tensor, Tensor]]:
@@ -321,29 +346,68 @@ class HFEngine(RolloutEngine):
         rollout_dtype: Dtype of the senior's rollout copy (see ``RolloutEngine``).
     """
 
+    pauses = True
+
     def __init__(self, check_every: int = 1, rollout_dtype: str = "auto"):
         self.check_every = max(1, check_every)
         self.rollout_dtype = check_rollout_dtype(rollout_dtype)
 
-    def generate(self, prompts: PromptBatch, policy: HandoffPolicy, sampling: SamplingConfig) -> Rollout:
+    def generate(self, prompts: PromptBatch, policy: HandoffPolicy, sampling: SamplingConfig,
+                 stop: StopRule | None = None) -> Rollout:
+        """See ``RolloutEngine``. With ``stop``, the finished flags are read every ``check_every``
+        steps, and the call ends once the rule is reached; resumed rows prefill their prompt and
+        the tokens they wrote, then go on from their saved decoder state."""
         device = next(self.senior.parameters()).device
         prompts = prompts.to(device)
         inputs = model_prompts(prompts)
         decoder = self.decoder(prompts, policy, sampling)
+        if prompts.resumes:
+            back = [i for i, p in enumerate(prompts.resume) if p is not None and p.state is not None]
+            decoder.resume(torch.tensor(back, device=device), [prompts.resume[i] for i in back])
+            responses = [p.tokens if p is not None and p.state is not None else None for p in prompts.resume]
+            inputs = {name: with_responses(ids, mask, responses) for name, (ids, mask) in inputs.items()}
         runners = {
             "senior": _CachedForward(self.senior) if decoder.needs_senior else None,
             "junior": _CachedForward(self.junior) if decoder.needs_junior else None,
         }
+        stopped = False
         with eval_mode(self.senior, self.junior):
             logits = {name: r.prefill(*inputs[name]) if r else None for name, r in runners.items()}
-            longest = int(decoder.budget.max())
+            longest = int((decoder.budget - decoder.t).max())
             for t in range(longest):
                 token = decoder.step(logits["senior"], logits["junior"])
                 steps = t + 1
                 if steps == longest or (steps % self.check_every == 0 and decoder.all_finished()):
                     break
+                if stop is not None and steps % self.check_every == 0 and stop.reached(decoder.state.finished.tolist()):
+                    stopped = True
+                    break
                 logits = {name: r.step(token) if r else None for name, r in runners.items()}
-        return decoder.finish(prompts, self.tokenizer)
+        rollout = decoder.finish(prompts, self.tokenizer)
+        if stopped:
+            rollout = paused_rows(rollout, decoder)
+        return rollout
+
+
+def paused_rows(rollout: Rollout, decoder: TandemDecoder) -> Rollout:
+    """``rollout`` with its rows that have not ended (a ``StopRule`` ended the call) paused: their
+    sequences saved in ``Rollout.paused``, and marked neither finished nor truncated."""
+    running = (~decoder.state.finished).nonzero().flatten()
+    if not running.numel():
+        return rollout
+    paused: list = [None] * decoder.batch_size
+    for row, sequence in zip(running.tolist(), decoder.pause(running)):
+        paused[row] = sequence
+    return paused_result(rollout, paused)
+
+
+def paused_result(rollout: Rollout, paused: list) -> Rollout:
+    """``rollout`` with ``paused`` (per row: a ``PausedSequence``, or None for a row that ended)."""
+    if all(p is None for p in paused):
+        return rollout
+    running = torch.tensor([p is not None for p in paused], device=rollout.finished.device)
+    return dataclasses.replace(rollout, paused=paused, finished=rollout.finished & ~running,
+                               truncated=rollout.truncated & ~running)
 
 
 def cache_kwarg(model: nn.Module) -> str:

@@ -16,6 +16,40 @@ from torch import Tensor
 # the per-token switch codes, kept on the host (``Rollout.start_set``)
 HOST_CODES = ("start_set", "end_set")
 
+@dataclass
+class PausedSequence:
+    """A sequence an engine stopped before its end (``StopRule``), with everything it wrote: the
+    tokens and their authors, and the decoder's state of its row (``TandemDecoder.pause``: its
+    step counter, so its RNG draws, span and switch state, per-token log-probs and switch codes).
+    Given back in ``PromptBatch.resume``, the engine prefills its prompt and ``tokens`` and goes on
+    exactly where it stopped. ``state`` None: admitted nowhere yet (nothing written)."""
+
+    written: int  # response tokens written so far
+    tokens: Tensor  # [written] long
+    authors: Tensor  # [written] int8 Author codes
+    state: list[Tensor] | None = None  # the decoder's per-row buffers of this sequence (host copies)
+
+
+@dataclass
+class StopRule:
+    """When a ``generate`` call may end before every row has ended (partial rollouts): once
+    ``groups`` of the call's prompt groups have every one of their rows ended, and every row of
+    ``must_finish`` has. The rows still running are then paused (``Rollout.paused``)."""
+
+    group: list[int]  # per row of the call: its prompt group
+    groups: int  # complete groups wanted (<= 0: none)
+    must_finish: list[bool] | None = None  # per row: it may not be paused
+
+    def reached(self, ended: list[bool]) -> bool:
+        """``ended``: per row of the call, whether it has ended."""
+        if self.must_finish is not None and not all(e for e, m in zip(ended, self.must_finish) if m):
+            return False
+        if self.groups <= 0:
+            return True
+        open_groups = {g for g, e in zip(self.group, ended) if not e}
+        return len(set(self.group) - open_groups) >= self.groups
+
+
 class Author(IntEnum):
     """Who wrote a token. Stored as int8 in ``Rollout.author``."""
 
@@ -37,6 +71,9 @@ class PromptBatch:
     # [B] long, each row's own token budget (None: sampling.max_new_tokens for every row). Real
     # RL responses are long-tailed; benchmarks force such lengths on models that never end.
     max_new_tokens: Tensor | None = None
+    # per row: a paused sequence to go on with (None: start afresh), from ``Rollout.paused`` of an
+    # earlier call (``RolloutEngine.pauses``); its budget still counts the tokens it wrote
+    resume: list[PausedSequence | None] | None = None
 
     def __post_init__(self) -> None:
         if self.input_ids.shape != self.attention_mask.shape:
@@ -52,6 +89,8 @@ class PromptBatch:
             raise ValueError(
                 f"max_new_tokens must have shape [{self.batch_size}], got {tuple(self.max_new_tokens.shape)}"
             )
+        if self.resume is not None and len(self.resume) != self.batch_size:
+            raise ValueError(f"resume must have {self.batch_size} entries, got {len(self.resume)}")
 
     @property
     def batch_size(self) -> int:
@@ -92,7 +131,13 @@ class PromptBatch:
             partner=self.partner.select(index) if self.partner is not None else None,
             max_new_tokens=self.max_new_tokens[index.to(self.max_new_tokens.device)]
             if self.max_new_tokens is not None else None,
+            resume=[self.resume[i] for i in index.tolist()] if self.resume is not None else None,
         )
+
+    @property
+    def resumes(self) -> bool:
+        """True when some row goes on with tokens it wrote in an earlier call."""
+        return self.resume is not None and any(p is not None and p.state is not None for p in self.resume)
 
 
 @dataclass
@@ -123,6 +168,12 @@ class Rollout:
     start_set: Tensor | None = None
     end_set: Tensor | None = None
     token_sets: Tensor | None = None
+    # partial rollouts: per row, the paused sequence when a ``StopRule`` ended the call before the
+    # row ended (None: it ended); None: no row was paused
+    paused: list[PausedSequence | None] | None = None
+    # [B, T] long: policy updates between the senior weights that wrote each token and the ones
+    # this step's update starts from (0: fresh; junior tokens and padding are 0). None: all fresh
+    staleness: Tensor | None = None
 
     @property
     def completion_mask(self) -> Tensor:  # [B, T] bool, True on written tokens
@@ -150,11 +201,13 @@ class Rollout:
                 "truncated", "handoffs", "decisions", "junior_draws",
             )
         }
-        per_token = {"senior_logprobs": self.senior_logprobs[index] if self.senior_logprobs is not None else None}
+        device_tokens = [name for name in PER_TOKEN if name not in HOST_CODES]
+        per_token = {name: getattr(self, name)[index] if getattr(self, name) is not None else None for name in device_tokens}
         host_rows = torch.as_tensor(rows, dtype=torch.long)
         per_token.update({name: getattr(self, name)[host_rows] if getattr(self, name) is not None else None
                           for name in HOST_CODES})
-        return Rollout(**picked, texts=[self.texts[i] for i in rows], **per_token, token_sets=self.token_sets)
+        paused = [self.paused[i] for i in rows] if self.paused is not None else None
+        return Rollout(**picked, texts=[self.texts[i] for i in rows], **per_token, token_sets=self.token_sets, paused=paused)
 
     def to(self, device: torch.device | str) -> Rollout:
         """The same rollouts on ``device`` (host copies travel between ranks: a pickled CUDA tensor
@@ -174,7 +227,7 @@ class Rollout:
         if width is None:
             width = max(int(self.lengths.max()) if self.lengths.numel() else 0, 1)
         per_token = {name: getattr(self, name)[:, :width] if getattr(self, name) is not None else None
-                     for name in ("senior_logprobs", "start_set", "end_set")}
+                     for name in PER_TOKEN}
         return replace(
             self,
             prompt_ids=self.prompt_ids[:, first:],
@@ -197,6 +250,10 @@ class Rollout:
             else:
                 spans.append((Author(author), [token]))
         return [(author, tokenizer.decode(tokens)) for author, tokens in spans]
+
+
+#: the optional [B, T] per-token fields of a Rollout (they move with its rows and columns)
+PER_TOKEN = ("senior_logprobs", "start_set", "end_set", "staleness")
 
 
 def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
@@ -222,6 +279,10 @@ def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
     for name in ("start_set", "end_set"):
         codes[name] = pad_to([getattr(p, name).cpu() if getattr(p, name) is not None else torch.zeros(p.author.shape, dtype=torch.int8)
                               for p in parts], completion_width, 0, left=False) if tables else None
+    staleness = None
+    if any(p.staleness is not None for p in parts):
+        staleness = pad_to([p.staleness if p.staleness is not None else torch.zeros_like(p.author, dtype=torch.long)
+                            for p in parts], completion_width, 0, left=False)
     return Rollout(
         prompt_ids=pad_to([p.prompt_ids for p in parts], prompt_width, pad_token_id, left=True),
         prompt_mask=pad_to([p.prompt_mask for p in parts], prompt_width, 0, left=True),
@@ -236,4 +297,5 @@ def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
         senior_logprobs=logprobs,
         **codes,
         token_sets=tables[0] if tables else None,
+        staleness=staleness,
     )

@@ -39,6 +39,7 @@ from tandem_lit.training import checkpoints, completions, preflight
 from tandem_lit.training.distributed import Shares, check_several_processes
 from tandem_lit.training.loading import load_run_models
 from tandem_lit.training.memory import estimate_module_memory, plan_device_memory
+from tandem_lit.training.partial import use_correction
 from tandem_lit.training.rollout_phase import RolloutPhase
 from tandem_lit.training.settings import (
     EvaluationSettings,
@@ -109,6 +110,8 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         self.logging_settings = logging or LoggingSettings()
         self.jargon = JargonDetector(self.logging_settings.jargon_pattern)
         self.rollouts = RolloutPhase(self.rollout_settings, verifier, self.update_settings.overlong)
+        if self.rollout_settings.partial is not None:  # stale senior tokens: corrected as the setting says
+            use_correction(self.rollout_settings.partial, objective)
         self.updates = UpdatePhase(self.update_settings, self.memory, objective, self.sampling)
         self.metrics = StepMetrics(verifier, self.jargon, self.logging_settings.language,
                                    self.rollout_settings.max_prompt_tokens is not None, self.memory.offload_optimizer)
@@ -238,12 +241,16 @@ class TandemModule(EvaluationSteps, L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoints.keep_trainable(self.senior, checkpoint, self.history, self.run_id)
+        if self.rollouts.in_flight is not None:  # carried groups' rows: redrawn when the run resumes
+            checkpoint["tandem_lit_partial"] = self.rollouts.in_flight.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoints.check_trainable(self.senior, checkpoint)
         self.history = list(checkpoint.get("tandem_lit", {}).get("history", []))
         self.run_id = checkpoint.get("tandem_lit", {}).get("run_id") or self.run_id
         self.rollouts.policy_moved()  # the loaded weights reach the engine's copy before the next rollout
+        if self.rollouts.in_flight is not None:
+            self.rollouts.in_flight.load_state_dict(checkpoint.get("tandem_lit_partial", {}))
 
     def log_metrics_at_update(self, row: dict[str, float]) -> None:
         """Log a row at x = optimiser updates so far (0 = before training), the x of every plot,

@@ -6,7 +6,8 @@
          -> authorship check (fail closed) -> verifier -> RolloutResult
 
 Dynamic sampling (DAPO) repeats this over more of the data batch until enough prompt groups have
-rewards that differ. On several processes every rank takes its share of a step's groups
+rewards that differ. Partial rollouts (``rollout.partial``) keep more groups in flight than a step
+trains, across steps (``partial.InFlight``). On several processes every rank takes its share of a step's groups
 (``distributed.Shares``), and every rank decides which groups those are as one process would.
 Validation and test draw their rollouts through the same ``generate``.
 """
@@ -25,11 +26,12 @@ from torch import Tensor, nn
 from tandem_lit.objectives.base import AuthorshipError
 from tandem_lit.rollout.engine import EngineTiming, KVBudget, RolloutEngine
 from tandem_lit.rollout.handoff import HandoffPolicy
-from tandem_lit.rollout.record import Author, PromptBatch, Rollout
+from tandem_lit.rollout.record import Author, PausedSequence, PromptBatch, Rollout, StopRule
 from tandem_lit.rollout.result import RolloutResult, concat_results
 from tandem_lit.rollout.sampling import SamplingConfig, sequence_seeds
 from tandem_lit.rollout.weights import gathered, rollout_dtype, rollout_named_tensors
 from tandem_lit.training.distributed import Shares
+from tandem_lit.training.partial import InFlight
 from tandem_lit.training.settings import OverlongPolicy, PromptFormat, RolloutSettings
 from tandem_lit.verifiers.base import Verifier
 
@@ -67,6 +69,8 @@ class RolloutPhase:
         # not depend on how rows are split into calls: benchmarks put real length distributions
         # on random-weight models this way (benchmarks/train_step.py --lengths).
         self.token_budgets: Callable[[Tensor], Tensor] | None = None
+        # partial rollouts (``rollout.partial``): the groups in flight across steps
+        self.in_flight = InFlight(settings.partial) if settings.partial is not None else None
 
     # -------------------------------------------------------------------------------- engine
 
@@ -195,6 +199,25 @@ class RolloutPhase:
         group = torch.arange(len(rows)).repeat_interleave(sampling.n)
         return RolloutResult(rollout, grades, group, columns)
 
+    def decode(self, engine: RolloutEngine, texts: list[str], seeds: Tensor, policy: HandoffPolicy,
+               sampling: SamplingConfig, resume: list[PausedSequence | None], stop: StopRule) -> Rollout:
+        """One ``generate`` of an engine that ``pauses``: these prompts' sequences (``resume``: what
+        each wrote in an earlier call, or None), ended at ``stop`` (partial rollouts). Its time is
+        added to ``timing``."""
+        encoded = self.encode_prompts(texts)
+        partner = None
+        if self.junior is not None and (engine.needs_partner_prompts or self.settings.junior_prompt_format):
+            junior = self.encode_junior_prompts(texts)
+            partner = PromptBatch(junior["input_ids"], junior["attention_mask"], seeds)
+        budgets = self.token_budgets(seeds) if self.token_budgets is not None else None
+        prompts = PromptBatch(encoded["input_ids"], encoded["attention_mask"], seeds, partner, max_new_tokens=budgets,
+                              resume=resume).to(self.device)
+        rollout = engine.generate(prompts, policy, sampling, stop=stop)
+        timing = engine.last_timing()
+        if timing is not None:
+            self.timing = timing if self.timing is None else self.timing + timing
+        return rollout
+
     def check_authorship(self, rollout: Rollout, policy: HandoffPolicy) -> None:
         """Fail closed: a tandem batch must carry authorship that follows the policy's draws."""
         if rollout.author is None:
@@ -222,6 +245,8 @@ class RolloutPhase:
         Every rank gets the same ``rows`` and decides the same groups (``Shares``). ``timing``
         starts again here: it is this step's."""
         self.timing = None
+        if self.in_flight is not None:  # (carried groups may train in a step without new rows)
+            return self.in_flight.step(self, rows, policy, key, shares)
         if not rows:
             return None, {}
         if self.settings.dynamic_sampling is not None:

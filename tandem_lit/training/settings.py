@@ -145,6 +145,56 @@ class DynamicSampling:
 
 
 @dataclass
+class PartialRollouts:
+    """Partial rollouts with bounded staleness: the engine never drains (docs/partial_rollouts.md).
+
+    A rollout phase keeps more prompt groups in flight than a step trains on: the step's data
+    batch plus the groups carried over from earlier steps, which go first. It ends once the step's
+    groups are complete (a group trains only when every rollout of it ended); the sequences still
+    running are paused with everything they wrote and go on in the next phase under the new
+    weights. Each senior token keeps the policy version that wrote it; junior tokens are never
+    stale (the junior is frozen).
+
+    Args:
+        in_flight_prompts: Prompt groups in flight at once (carried + new), over all processes.
+            At least the data batch; the surplus is what a phase carries over. The first steps
+            train fewer groups until that many are in flight.
+        max_staleness: The most optimiser updates a trained senior token may be behind the
+            weights its step updates (>= 1; 0 would be synchronous: leave ``partial`` unset).
+        stale: What happens to a carried sequence that would exceed ``max_staleness``:
+            ``correct`` finishes it in this phase (the phase waits for it) under the new policy,
+            its stale tokens corrected; ``redraw`` drops what it wrote and draws it again from its
+            prompt (same seed, new weights).
+        correction: How stale senior tokens are corrected. ``decoupled`` (AReaL's decoupled PPO):
+            the proximal policy is the trainer's old log-probs, the behaviour policy the engine's
+            log-probs recorded when the token was written; each stale senior token's loss term
+            is multiplied by ``min(exp(old - behaviour), correction_cap)`` (replacing the
+            objective's ``tis_cap`` factor on those tokens). ``tis``: the objective's own
+            ``tis_cap``/``tis_level`` correction covers them (every token's recorded log-prob is
+            its behaviour log-prob); the objective must set ``tis_cap``.
+        correction_cap: The truncation of ``decoupled``'s weights.
+    """
+
+    in_flight_prompts: int
+    max_staleness: int = 1
+    stale: Literal["correct", "redraw"] = "correct"
+    correction: Literal["decoupled", "tis"] = "decoupled"
+    correction_cap: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.in_flight_prompts < 1:
+            raise ConfigError(f"rollout.partial.in_flight_prompts must be >= 1, got {self.in_flight_prompts}")
+        if self.max_staleness < 1:
+            raise ConfigError("rollout.partial.max_staleness must be >= 1 (0 is synchronous: leave rollout.partial unset)")
+        if self.stale not in ("correct", "redraw"):
+            raise ConfigError(f"rollout.partial.stale must be 'correct' or 'redraw', got {self.stale!r}")
+        if self.correction not in ("decoupled", "tis"):
+            raise ConfigError(f"rollout.partial.correction must be 'decoupled' or 'tis', got {self.correction!r}")
+        if self.correction_cap <= 0:
+            raise ConfigError(f"rollout.partial.correction_cap must be > 0, got {self.correction_cap}")
+
+
+@dataclass
 class MemorySettings:
     """How a step fits the GPU: rollouts and the update take turns with the big buffers.
 
@@ -240,6 +290,9 @@ class RolloutSettings:
             never skips. None: no limit. On W processes a step trains a multiple of W of the
             prompts that fit (``train/balance_dropped_groups``: the last ones left out).
         dynamic_sampling: Drop prompt groups whose rewards all agree and refill (None: off).
+        partial: Partial rollouts: more prompts in flight than a step trains, the unfinished ones
+            paused and resumed in the next step, staleness bounded and corrected (None: off, every
+            step's rollouts are drawn and finished under its own weights).
         prompt_format: Chat template use, system prompt and prompt template (the senior's; also
             the junior's unless ``junior_prompt_format`` is set).
         junior_prompt_format: The junior's own prompt (e.g. a system prompt telling it to answer in
@@ -252,6 +305,7 @@ class RolloutSettings:
     batch_size: int | None = None
     max_prompt_tokens: int | None = None
     dynamic_sampling: DynamicSampling | None = None
+    partial: PartialRollouts | None = None
     prompt_format: PromptFormat = field(default_factory=PromptFormat)
     junior_prompt_format: PromptFormat | None = None
     authorship_z: float = 6.0
@@ -259,6 +313,8 @@ class RolloutSettings:
     def __post_init__(self) -> None:
         if self.batch_size is not None and self.batch_size < 1:
             raise ConfigError(f"rollout.batch_size must be >= 1 sequence, got {self.batch_size}")
+        if self.partial is not None and self.dynamic_sampling is not None:
+            raise ConfigError("rollout.partial and rollout.dynamic_sampling cannot be combined: set one of them")
 
 
 @dataclass

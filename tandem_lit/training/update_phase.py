@@ -28,7 +28,7 @@ from tandem_lit.models.varlen_attention import varlen_during
 from tandem_lit.objectives.base import Objective, ObjectiveInputs
 from tandem_lit.objectives.mismatch import MismatchStats
 from tandem_lit.rollout.logprobs import completion_logprobs
-from tandem_lit.rollout.record import Rollout
+from tandem_lit.rollout.record import Author, Rollout
 from tandem_lit.rollout.result import RolloutResult
 from tandem_lit.rollout.sampling import SamplingConfig
 from tandem_lit.rollout.weights import plain_model
@@ -90,6 +90,15 @@ def row_index(rows: list[int], device: torch.device) -> Tensor:  # -> [len(rows)
     if device.type != "cuda":
         return index.to(device)
     return index.pin_memory().to(device, non_blocking=True)
+
+
+def fresh_authors(rollout: Rollout) -> Tensor:  # -> [N, T]
+    """The rollout's author codes with its stale tokens (partial rollouts: written by older
+    weights) as padding: the engine-vs-trainer gap and mismatch measure the fresh tokens only
+    (a stale token's gap is the policy's move since, which the stale correction weighs)."""
+    if rollout.staleness is None:
+        return rollout.author
+    return torch.where(rollout.staleness > 0, int(Author.PAD), rollout.author.long()).to(rollout.author.dtype)
 
 
 @dataclasses.dataclass
@@ -215,7 +224,7 @@ class UpdatePhase:
         if old_logp is not None and rollout.senior_logprobs is not None:
             scored_rows = row_index(scored, device)
             for measure in (gap, mismatch):
-                measure.add(old_logp[scored_rows], rollout.senior_logprobs[scored_rows], rollout.author[scored_rows])
+                measure.add(old_logp[scored_rows], rollout.senior_logprobs[scored_rows], fresh_authors(rollout)[scored_rows])
         totals: dict[str, Tensor | float] = {}  # metrics summed on the device, read once at the end
         if masks:
             rejected = self.objective.rejected(old_logp, rollout.senior_logprobs, rollout.author)
@@ -238,8 +247,8 @@ class UpdatePhase:
                     logp = self.sequence_logprobs(self.senior, part, lengths=host.lengths(pass_rows))
                     own = old_logp is None or (index == 0 and not masks)  # the old log-probs are this forward's
                     if own:
-                        gap.add(logp, part.senior_logprobs, part.author)
-                        mismatch.add(logp, part.senior_logprobs, part.author)
+                        gap.add(logp, part.senior_logprobs, fresh_authors(part))
+                        mismatch.add(logp, part.senior_logprobs, fresh_authors(part))
                     old = None
                     if old_logp is not None:
                         old = logp.detach() if own else old_logp[micro, :width]
@@ -253,6 +262,7 @@ class UpdatePhase:
                         advantages=advantages[micro],
                         mask=allowed[micro] if allowed is not None else None,
                         rollout_logp=part.senior_logprobs,
+                        stale=part.staleness > 0 if part.staleness is not None else None,
                     )
                     loss, metrics = self.objective.loss_and_metrics(inputs, scale)
                     self.backward(loss * world)  # FSDP averages gradients over ranks

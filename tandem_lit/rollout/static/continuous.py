@@ -29,8 +29,8 @@ from torch import Tensor
 
 from tandem_lit.errors import ConfigError
 from tandem_lit.rollout.decoder import TandemDecoder
-from tandem_lit.rollout.engine import EngineTiming, model_prompts
-from tandem_lit.rollout.record import PromptBatch
+from tandem_lit.rollout.engine import EngineTiming, model_prompts, with_responses  # noqa: F401 (tests import it here)
+from tandem_lit.rollout.record import PausedSequence, PromptBatch, StopRule
 from tandem_lit.rollout.static.paging import BlockManager, prompt_placement, write_table_rows
 from tandem_lit.rollout.static.scheduler import PagedSlotTable, RefillTimer, SlotTable
 
@@ -72,17 +72,30 @@ class ContinuousRun:
         # preempted sequence -> (its saved decoder rows, ``per_row`` order; the tokens it wrote)
         self.paused: dict[int, tuple[list[Tensor], Tensor]] = {}
         self.resumed_tokens = 0  # response tokens prefilled again when preempted sequences resumed
+        self.ended: list[bool] = []  # per sequence: it ended (retired)
+        self.stopped = False  # a StopRule ended the run
+        self.paused_out: dict[int, PausedSequence] = {}  # after a stop: sequence -> what it wrote
         self.width = 0
         self.peak_pages = 0  # paged pool: the most pages held at once
 
     # -------------------------------------------------------------------------------- the loop
 
     def decode(self, prompts: PromptBatch, budgets: Tensor, active: list[str],
-               step: Callable[[TandemDecoder, int], None], kv_len: Callable[[int], int]) -> dict[str, Tensor]:
+               step: Callable[[TandemDecoder, int], None], kv_len: Callable[[int], int],
+               stop: StopRule | None = None) -> dict[str, Tensor]:
         """Decode every sequence of ``prompts`` (``active``: the models the policy runs) with
         ``step(view, kv_len)``, one decode step of rows ``[0, view.batch_size)``. Returns the
-        decoder's outputs, one row per sequence."""
+        decoder's outputs, one row per sequence. ``stop``: end once it is reached, the sequences
+        still running or waiting paused (``paused_sequences``). Sequences of ``prompts.resume``
+        wait as preempted ones do: admitted, they prefill their tokens and go on."""
         decoder, table, buf = self.decoder, self.table, self.buf
+        if prompts.resumes:
+            for sequence, paused in enumerate(prompts.resume):
+                if paused is not None and paused.state is not None:
+                    state = [x.to(buf.slot.device) for x in decoder.fit_state(paused.state)]
+                    self.paused[sequence] = (state, paused.tokens.to(buf.slot.device))
+        self.ended = [False] * prompts.batch_size
+        self.stopped = False
         decoder.vacate()
         results = {name: torch.zeros((prompts.batch_size, *x.shape[1:]), dtype=x.dtype, device=buf.slot.device)
                    for name, x in decoder.outputs().items()}
@@ -112,6 +125,9 @@ class ContinuousRun:
             self.in_flight.clear()  # the device is done with every staged prefill
             synced = self._time_chunk(steps, synced)
             self._retire(finished, results)
+            if stop is not None and stop.reached(self.ended):
+                self._pause(results)
+                break
             if table.queue:
                 live = len(table.live)
                 if self.timer.due(table.batch - live, len(table.queue), live):
@@ -125,12 +141,16 @@ class ContinuousRun:
             elif (size := table.smaller_batch()) is not None:
                 self._compact(size)
         self.clock.mark()
-        self.live_steps = int((results["authors"] != 0).sum())
+        # tokens written in this call: resumed sequences' earlier tokens were not decoded here
+        earlier = sum(p.written for p in prompts.resume or [] if p is not None and p.state is not None)
+        self.live_steps = int((results["authors"] != 0).sum()) - earlier
         return results
 
     def _retire(self, finished: list[bool], results: dict[str, Tensor]) -> None:
         """Copy the rows of sequences that ended into ``results`` and empty their slots."""
         slots, sequences = self.table.retire(finished)
+        for sequence in sequences:
+            self.ended[sequence] = True
         if not slots:
             return
         device = self.buf.slot.device
@@ -150,6 +170,34 @@ class ContinuousRun:
             model.move_rows(sources)  # paged pools stay put: the table rows are rewritten before the next step
         self.decoder.state.finished[len(sources):].fill_(True)  # the rows left behind are empty
         self.compactions += 1
+
+    def _pause(self, results: dict[str, Tensor]) -> None:
+        """A ``StopRule`` is reached: the sequences in slots are paused (saved, their rows copied
+        into ``results`` as they stand), those waiting keep what they had (nothing, or what a
+        preemption saved); ``paused_sequences`` hands them all back."""
+        self.stopped = True
+        live = self.table.live
+        device = self.buf.slot.device
+        if live:
+            index = torch.tensor(live, device=device)
+            where = torch.tensor([self.table.held[s] for s in live], device=device)
+            out = self.decoder.outputs()
+            for name, values in results.items():
+                values.index_copy_(0, where, out[name][index])
+            for slot, sequence in zip(live, self.decoder.pause(index)):
+                self.paused_out[self.table.held[slot]] = sequence
+        for sequence, (saved, tokens) in self.paused.items():  # preempted, or resumed and not readmitted
+            state = [x.cpu() for x in saved]
+            self.paused_out[sequence] = PausedSequence(tokens.numel(), tokens.cpu(), state[4][: tokens.numel()].clone(), state)
+            for name, column in (("tokens", 3), ("authors", 4), ("logprobs", 5), ("start_sets", 6), ("end_sets", 7)):
+                results[name][sequence] = saved[column][: results[name].shape[1]].to(results[name].dtype)
+        for sequence in self.table.queue:
+            if sequence not in self.paused_out:  # never admitted: nothing written
+                self.paused_out[sequence] = PausedSequence(0, torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.int8))
+
+    def paused_sequences(self, rows: int) -> list[PausedSequence | None]:
+        """Per sequence: the paused one, or None where it ended (after a stopped ``decode``)."""
+        return [self.paused_out.get(i) for i in range(rows)]
 
     # ---------------------------------------------------------------------------- paged pool
 
@@ -347,23 +395,6 @@ def prefill_parts(starts: list[int], budget: int) -> list[list[int]]:
             parts.append([i])
             longest = tokens
     return parts
-
-
-def with_responses(ids: Tensor, mask: Tensor, responses: list[Tensor | None]) -> tuple[Tensor, Tensor]:
-    """Left-padded prompts [n, W] with each row's response tokens (None: none) appended after its
-    prompt, left-padded again to one width: what a resumed sequence prefills."""
-    lengths = [0 if r is None else r.numel() for r in responses]
-    extra = max(lengths)
-    out_ids = torch.zeros((ids.shape[0], ids.shape[1] + extra), dtype=ids.dtype, device=ids.device)
-    out_mask = torch.zeros_like(out_ids, dtype=mask.dtype)
-    for i, (response, n) in enumerate(zip(responses, lengths)):
-        lead = extra - n
-        out_ids[i, lead : lead + ids.shape[1]] = ids[i]
-        out_mask[i, lead : lead + ids.shape[1]] = mask[i]
-        if n:
-            out_ids[i, lead + ids.shape[1]:] = response.to(ids.device)
-            out_mask[i, lead + ids.shape[1]:] = 1
-    return out_ids, out_mask
 
 
 def _valid_rows(mask: Tensor, last: Tensor, width: int, buf) -> Tensor:  # [n, width], [n] -> [n, length] bool

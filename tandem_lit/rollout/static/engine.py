@@ -57,15 +57,20 @@ from torch import Tensor, nn
 
 from tandem_lit.errors import ConfigError
 from tandem_lit.rollout.decoder import TandemDecoder, package_rollout
-from tandem_lit.rollout.engine import EngineTiming, KVBudget, RolloutEngine, eval_mode, model_prompts
+from tandem_lit.rollout.engine import EngineTiming, KVBudget, RolloutEngine, eval_mode, model_prompts, paused_result
 from tandem_lit.rollout.handoff import HandoffPolicy
-from tandem_lit.rollout.record import PromptBatch, Rollout
+from tandem_lit.rollout.record import PromptBatch, Rollout, StopRule
 from tandem_lit.rollout.sampling import SamplingConfig
 from tandem_lit.rollout.static.continuous import ContinuousRun, RunSettings, paged_table
 from tandem_lit.rollout.static.hybrid import HYBRID_MODEL_TYPES, HybridDecoderModel
 from tandem_lit.rollout.static.plain import StaticDecoderModel
 from tandem_lit.rollout.static.scheduler import SlotTable
 from tandem_lit.rollout.weights import check_rollout_dtype
+
+
+def buf_slots(engine: FastEngine) -> bool:
+    """True when the engine keeps slot caches (every row its own prompt + cap positions)."""
+    return engine.kv_cache != "paged"
 
 
 def decoder_model(model: nn.Module):
@@ -189,6 +194,7 @@ class FastEngine(RolloutEngine):
     """
 
     queues_rows = True
+    pauses = True
 
     def __init__(
         self,
@@ -427,8 +433,11 @@ class FastEngine(RolloutEngine):
         self._graphs.clear()
         self._pool = None
 
-    def generate(self, prompts: PromptBatch, policy: HandoffPolicy, sampling: SamplingConfig) -> Rollout:
-        """Decode every row of ``prompts``, at most ``max_batch`` at a time (a queue, see the class)."""
+    def generate(self, prompts: PromptBatch, policy: HandoffPolicy, sampling: SamplingConfig,
+                 stop: StopRule | None = None) -> Rollout:
+        """Decode every row of ``prompts``, at most ``max_batch`` at a time (a queue, see the class).
+        ``stop`` and ``prompts.resume``: see ``RolloutEngine.pauses`` (a resumed sequence waits in
+        the queue as a preempted one, and prefills its prompt and tokens when admitted)."""
         self.check_models(policy)
         device = self.models["senior"].device
         prompts = prompts.to(device)
@@ -438,12 +447,17 @@ class FastEngine(RolloutEngine):
         capacity = min(self.max_batch or rows, rows)
         use_graphs = self.cuda_graphs and device.type == "cuda"
         started = time.perf_counter()
-        buf = self._ensure_capacity(capacity, width + sampling.max_new_tokens)
+        written = [p.written if p is not None and p.state is not None else 0 for p in prompts.resume or [None] * rows]
+        # slot caches: a resumed group's prompts sit left-padded to its longest response, then decode on
+        buf = self._ensure_capacity(capacity, width + sampling.max_new_tokens + (max(written) if buf_slots(self) else 0))
         key, decoder = self._decoder(policy, sampling, capacity)
         if buf.table is not None:
             table = paged_table(prompts, budgets, capacity, buf.table, buf.pages, self.kv_page_size)
+            for sequence, tokens in enumerate(written):
+                if tokens:
+                    table.resume_later(sequence, tokens)
         else:
-            table = SlotTable(list(range(rows)), capacity, budgets.tolist())
+            table = SlotTable(list(range(rows)), capacity, (budgets.cpu() - torch.tensor(written)).tolist())
         settings = RunSettings(self.check_every, self.refill, self.overlap_prefill, self.prefill_tokens,
                                self.kv_page_size)
         run = ContinuousRun(buf, self.models, decoder, table, settings, self._prefill_side)
@@ -467,9 +481,10 @@ class FastEngine(RolloutEngine):
                     for kv_len in sorted({self._kv_len(n) for n in range(1, buf.length + 1)}):
                         self._graph(key, decoder.narrow(size), kv_len)
             run.setup_s = time.perf_counter() - started
-            results = run.decode(prompts, budgets, active, step, self._kv_len)
+            results = run.decode(prompts, budgets, active, step, self._kv_len, stop)
         self._last_run = run
-        return package_rollout(prompts, results, self.tokenizer, decoder.needs_senior, decoder.token_sets)
+        rollout = package_rollout(prompts, results, self.tokenizer, decoder.needs_senior, decoder.token_sets)
+        return paused_result(rollout, run.paused_sequences(rows)) if run.stopped else rollout
 
     def _prefill_side(self) -> torch.cuda.Stream:
         if self._prefill_stream is None:
