@@ -20,15 +20,7 @@ if [ $# -eq 0 ]; then echo "stages:" $STAGES; exit 0; fi
 OUT=${OUT:?set OUT to a folder for the logs}
 TOKENIZER=${TOKENIZER:-../shared/models/qwen3-tokenizer}
 PROBLEMS=${PROBLEMS:-../shared/data/deepscaler/train/deepscaler_subset_803.json}
-WHEELS=${WHEELS:-.whl}
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-if compgen -G "$WHEELS/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
-    || { echo "installing $WHEELS failed"; exit 1; }
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD  # the scripts import tandem_lit from this checkout, installed or not
-fi
+source benchmarks/gpu_env.sh  # wheels the machine lacks, PYTHONPATH
 LOGNORMAL="lognormal:median=1000,sigma=0.8,cap=3000"
 STEP=(python3 benchmarks/train_step.py --tokenizer "$TOKENIZER" --problems "$PROBLEMS")
 ROLLOUT=(python3 benchmarks/rollout.py --device cuda)

@@ -38,16 +38,8 @@ VAL_EVERY=${VAL_EVERY:-2}                    # validation every this many steps 
 VAL_BATCHES=${VAL_BATCHES:-1}                # of eval_batch_size (16) problems
 LIMIT=${LIMIT:-4}                            # problems of each eval set in the test stage
 TEST_TOKENS=${TEST_TOKENS:-$MAX_NEW_TOKENS}
-WHEELS=${WHEELS:-.whl}
 mkdir -p "$OUT" "$WORK"
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-if compgen -G "$WHEELS/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
-    || { echo "installing $WHEELS failed"; exit 1; }
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD  # tandem_lit from this checkout, installed or not
-fi
+source benchmarks/gpu_env.sh  # wheels the machine lacks, PYTHONPATH
 PY=${PY:-python3}
 
 case $CARD in
