@@ -29,21 +29,40 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from tandem_lit.errors import ConfigError
+from tandem_lit.rollout.engine import RolloutEngine
 from tandem_lit.rollout.handoff import HandoffPolicy
 from tandem_lit.rollout.record import Author, PausedSequence, Rollout, StopRule, concat_rollouts
 from tandem_lit.rollout.result import RolloutResult
-from tandem_lit.rollout.sampling import sequence_seeds
+from tandem_lit.rollout.sampling import SamplingConfig, sequence_seeds
 from tandem_lit.training.distributed import Shares, max_over_ranks
-from tandem_lit.training.settings import PartialRollouts
+from tandem_lit.training.settings import PartialRollouts, RolloutSettings
+from tandem_lit.verifiers.base import Verifier
 
-if TYPE_CHECKING:
-    from tandem_lit.training.rollout_phase import RolloutPhase
+
+class RolloutPhase(Protocol):
+    """What a partial phase uses of ``training.rollout_phase.RolloutPhase`` (declared here: the
+    phase imports this module, so this one does not import it back)."""
+
+    settings: RolloutSettings
+    verifier: Verifier
+    engine: RolloutEngine
+    policy_version: int
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def ready(self) -> RolloutEngine: ...
+
+    def decode(self, engine: RolloutEngine, texts: list[str], seeds: Tensor, policy: HandoffPolicy,
+               sampling: SamplingConfig, resume: list[PausedSequence | None], stop: StopRule) -> Rollout: ...
+
+    def check_authorship(self, rollout: Rollout, policy: HandoffPolicy) -> None: ...
 
 log = logging.getLogger(__name__)
 
