@@ -119,7 +119,7 @@ def test_without_autocast_nothing_is_swapped():
 
 @pytest.mark.parametrize("mini_batches", [1, 2])
 @pytest.mark.xfail(strict=True, reason=(
-    "open issue: with switch terms the head is used twice in one backward (the chunked log-probs and the switch "
+    "open (dev/log.md, 2026-12-07): with switch terms the head is used twice in one backward (the chunked log-probs and the switch "
     "set masses); autograd sums the two bf16 gradients of ComputeWeights' one bf16 copy in bf16 before its hook moves "
     "them to float32, where autocast's two casts reach the float32 master separately and add in float32: the tied "
     "embedding's update differs by bf16 rounding (and so does any weight used by several checkpointed chunks of a "
