@@ -181,18 +181,7 @@ class RolloutPhase:
     def _generate_chunk(self, engine: RolloutEngine, rows: list[dict[str, Any]], policy: HandoffPolicy, sampling: SamplingConfig,
                         seeds: Tensor) -> RolloutResult:
         prompts_text = [row["prompt"] for row in rows for _ in range(sampling.n)]
-        encoded = self.encode_prompts(prompts_text)
-        partner = None
-        if self.junior is not None and (engine.needs_partner_prompts or self.settings.junior_prompt_format):
-            junior = self.encode_junior_prompts(prompts_text)
-            partner = PromptBatch(junior["input_ids"], junior["attention_mask"], seeds)
-        budgets = self.token_budgets(seeds) if self.token_budgets is not None else None
-        prompts = PromptBatch(encoded["input_ids"], encoded["attention_mask"], seeds, partner, max_new_tokens=budgets)
-        prompts = prompts.to(self.device)
-        rollout = engine.generate(prompts, policy, sampling)
-        timing = engine.last_timing()
-        if timing is not None:
-            self.timing = timing if self.timing is None else self.timing + timing
+        rollout = self.decode(engine, prompts_text, seeds, policy, sampling)
         self.check_authorship(rollout, policy)
         columns = {name: [row[name] for row in rows for _ in range(sampling.n)] for name in rows[0] if name != "prompt"}
         grades = self.verifier.grade_batch(rollout.texts, **columns)
@@ -200,10 +189,11 @@ class RolloutPhase:
         return RolloutResult(rollout, grades, group, columns)
 
     def decode(self, engine: RolloutEngine, texts: list[str], seeds: Tensor, policy: HandoffPolicy,
-               sampling: SamplingConfig, resume: list[PausedSequence | None], stop: StopRule) -> Rollout:
-        """One ``generate`` of an engine that ``pauses``: these prompts' sequences (``resume``: what
-        each wrote in an earlier call, or None), ended at ``stop`` (partial rollouts). Its time is
-        added to ``timing``."""
+               sampling: SamplingConfig, resume: list[PausedSequence | None] | None = None,
+               stop: StopRule | None = None) -> Rollout:
+        """One ``generate`` of these prompts' sequences, each model's prompts in its own format. For
+        partial rollouts (an engine that ``pauses``): ``resume``, what each wrote in an earlier call
+        (or None), and ``stop``, where the call ends. Its time is added to ``timing``."""
         encoded = self.encode_prompts(texts)
         partner = None
         if self.junior is not None and (engine.needs_partner_prompts or self.settings.junior_prompt_format):
@@ -212,7 +202,8 @@ class RolloutPhase:
         budgets = self.token_budgets(seeds) if self.token_budgets is not None else None
         prompts = PromptBatch(encoded["input_ids"], encoded["attention_mask"], seeds, partner, max_new_tokens=budgets,
                               resume=resume).to(self.device)
-        rollout = engine.generate(prompts, policy, sampling, stop=stop)
+        # (``stop`` only where there is one: an engine that never pauses need not take it)
+        rollout = engine.generate(prompts, policy, sampling) if stop is None else engine.generate(prompts, policy, sampling, stop=stop)
         timing = engine.last_timing()
         if timing is not None:
             self.timing = timing if self.timing is None else self.timing + timing
