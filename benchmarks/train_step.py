@@ -477,6 +477,11 @@ class StepReport(L.Callback):
                for part in ("logprob", "passes", "optimizer")},
             "response_length": row["train/response_length"],
             "prompt_width": row.get("train/rollout_prompt_width", float("nan")),
+            "mismatch_kl": row.get("train/mismatch_kl", float("nan")),
+            "mismatch_ess": row.get("train/mismatch_ess", float("nan")),
+            "busy_slot_fraction": row.get("train/rollout_busy_slot_fraction", float("nan")),
+            **{key.removeprefix("train/"): value for key, value in row.items()
+               if key.startswith(("train/partial_", "train/stale_token_"))},
         }
         step["roofline_ms"] = 1000 * decode_bytes(module, step["prompt_width"]) / self.bandwidth
         step["decode_roofline_share"] = step["roofline_ms"] / step["decode_step_ms"]
@@ -506,7 +511,8 @@ class StepReport(L.Callback):
               f"{step['update_optimizer_seconds']:.1f} s; {step['update_tflops']:.3g} "
               f"TFLOP over {step['update_trained_tokens']:,} tokens = {step['update_mfu']:.1%} MFU of {self.peak_tflops:g} "
               f"TFLOP/s); logp gap mean "
-              f"{step['logp_gap_mean']:.4f} max {step['logp_gap_max']:.3f}; peak {step['peak_gb']:.1f} GiB "
+              f"{step['logp_gap_mean']:.4f} max {step['logp_gap_max']:.3f}, mismatch_kl {step['mismatch_kl']:.3g} "
+              f"ess {step['mismatch_ess']:.6f}; peak {step['peak_gb']:.1f} GiB "
               f"(torch allocator; device in use before the engine releases its caches {step['rollout_device_used_gb']:.1f} GiB, "
               f"the most of that and the step end {step['device_used_gb']:.1f} GiB)")
 
@@ -546,8 +552,28 @@ def budgets_for_seeds(lengths: dict, seeds: torch.Tensor, limit: int) -> torch.T
     return torch.stack(draws).clamp(max=limit)
 
 
+def score_switch_tokens_unrestricted(module) -> None:
+    """The update as it was before switch tokens were scored as drawn (issue 51, item 1): the
+    switch codes are dropped from each step's rollouts, so the trainer scores a token drawn from
+    the word-start-restricted distribution under the unrestricted one. The engine still records
+    the log-prob of the distribution it drew from, so ``mismatch_kl`` then measures the error that
+    scoring removed (with the usual bf16 numerics beside it)."""
+    phase = module.rollouts
+    drawn = phase.training_rollouts
+
+    def unrestricted(*args, **kwargs):
+        result, stats = drawn(*args, **kwargs)
+        if result is not None:
+            result.rollout.token_sets = result.rollout.start_set = result.rollout.end_set = None
+        return result, stats
+
+    phase.training_rollouts = unrestricted
+
+
 def run_arm(arm: str, model_args: dict, trainer_args: dict, args, root: Path, bandwidth: float) -> dict:
     module = build_module(model_args, arm, args, root)
+    if args.switch_scoring == "unrestricted":
+        score_switch_tokens_unrestricted(module)
     data = ProblemRows(args.problems, batch_size=args.prompts, seed=0)
     report = StepReport(arm, args.warmup_steps, min(32, module.sampling.max_new_tokens), bandwidth, args.prompts, args.peak_tflops,
                         fixed_lengths=args.lengths == "fixed", measured=args.steps)
@@ -674,6 +700,9 @@ def main() -> None:
                         help="also run each arm with rollout.partial (IN_FLIGHT prompt groups in flight; docs/partial_rollouts.md) "
                              "and print the ratio of its rollout time to today's")
     parser.add_argument("--max-staleness", type=int, default=1, help="with --partial: rollout.partial.max_staleness")
+    parser.add_argument("--switch-scoring", default="as-drawn", choices=["as-drawn", "unrestricted"],
+                        help="unrestricted: the trainer scores switch tokens under the unrestricted distribution, as "
+                             "before issue 51's fix, against the engine's as-drawn log-probs (mismatch_kl measures the fix)")
     parser.add_argument("--dump-logprobs", default=None, metavar="FILE",
                         help="write every update pass's rows with the engine's and the training forward's log-probs "
                              "to FILE.<arm>.pt (to take a log-prob gap apart offline)")
@@ -727,12 +756,11 @@ def main() -> None:
                               for a in (arm, arm + PARTIAL) for key in ("rollout_seconds",))
             print(f"{arm}_partial_over_today_rollout={partial / today:.2f} (in flight {args.partial}, "
                   f"max_staleness {args.max_staleness}; mean over {args.steps} measured steps)")
-        results = {arm: r for arm, r in results.items() if not arm.endswith(PARTIAL)}
     if args.json:
         Path(args.json).write_text(json.dumps({"config": args.config, "device": name, "bandwidth": bandwidth,
                                                "args": vars(args), "arms": results}, indent=2))
     peak = max(s["peak_gb"] for r in results.values() for s in r["steps"])
-    if set(results) == {"tandem", "grpo"}:
+    if {arm.removesuffix(PARTIAL) for arm in results} == {"tandem", "grpo"}:
         tandem, grpo = (min(results[a]["steps"], key=lambda s: s["step_seconds"]) for a in ("tandem", "grpo"))
         bytes_ratio = tandem["roofline_ms"] / grpo["roofline_ms"]
         ideal = (grpo["rollout_seconds"] * bytes_ratio + grpo["update_seconds"]) / (grpo["rollout_seconds"] + grpo["update_seconds"])

@@ -16,6 +16,15 @@ modules share a weight (tied embeddings: the embedding reads the float32 master,
 copy), the two gradients reach ``.grad`` as two additions rather than one sum, which can differ in
 the last bit.
 
+One module is called several times in a pass: the output head (the log-probs are computed in
+chunks, and the switch terms read it again; ``rollout/logprobs.py``). Autocast casts its weight
+anew in each call (a checkpointed chunk recomputes its own cast), so each call's gradient becomes
+float32 on its own and the calls add up in float32. A single bf16 copy would instead gather every
+call's gradient in its autograd input buffer, summed in bf16, before the hook sees it: the head's
+step then differs from autocast's by bf16 rounding (tests/test_compute_weights.py). So each call of
+the head reads the copy through a node of its own (``_OneUse``) whose gradient is added to the
+master's float32 ``.grad`` directly, as autocast's separate casts are.
+
 Only plain float32 ``nn.Parameter`` weights of ``nn.Linear`` modules are swapped (LoRA's adapters
 and a frozen float32 base layer included, the latter without a gradient); norms, embeddings and
 quantized weights (bitsandbytes' parameters are ``nn.Parameter`` subclasses) stay as they are.
@@ -29,16 +38,38 @@ from types import TracebackType
 import torch
 from torch import Tensor, nn
 
+from tandem_lit.rollout.weights import plain_model
 
-def _accumulate_into(master: nn.Parameter, copy: Tensor) -> None:
-    """The copy's gradient, just accumulated, added to the master's ``.grad`` (float32) and dropped."""
-    grad, copy.grad = copy.grad, None
+
+def _add_to_master(master: nn.Parameter, grad: Tensor | None) -> None:
+    """``grad`` (a copy's, bf16) added to the master's float32 ``.grad``."""
     if grad is None:
         return
     if master.grad is None:
         master.grad = grad.to(master.dtype)
     else:
         master.grad.add_(grad)
+
+
+def _accumulate_into(master: nn.Parameter, copy: Tensor) -> None:
+    """The copy's gradient, just accumulated, added to the master's ``.grad`` (float32) and dropped."""
+    grad, copy.grad = copy.grad, None
+    _add_to_master(master, grad)
+
+
+class _OneUse(torch.autograd.Function):
+    """One call's view of a copy: its gradient goes to the float32 master on its own, not summed
+    in bf16 with the other calls' (the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, copy: Tensor, master: tuple[nn.Parameter]) -> Tensor:  # (a tuple: not an autograd input)
+        ctx.master = master[0]
+        return copy.view_as(copy)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[None, None]:
+        _add_to_master(ctx.master, grad)
+        return None, None
 
 
 class ComputeWeights:
@@ -49,6 +80,7 @@ class ComputeWeights:
     def __init__(self, model: nn.Module, dtype: torch.dtype | None) -> None:
         self.model, self.dtype = model, dtype
         self.swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
+        self.hooks: list[torch.utils.hooks.RemovableHandle] = []
 
     def __enter__(self) -> ComputeWeights:
         if self.dtype is None or self.dtype == torch.float32:
@@ -69,12 +101,32 @@ class ComputeWeights:
                         copies[id(master)] = copy
                     module._parameters[name] = copy
                     self.swapped.append((module, name, master))
+        head = plain_model(self.model).get_output_embeddings()
+        if head is not None and any(module is head and name == "weight" for module, name, _ in self.swapped):
+            self._one_use_per_call(head)
         return self
 
+    def _one_use_per_call(self, head: nn.Module) -> None:
+        """Each call of ``head`` reads its weight's copy through its own ``_OneUse`` node; between
+        calls (the fused head reads ``head.weight`` directly) the copy itself is in place."""
+        copy, master = head._parameters["weight"], next(m for module, name, m in self.swapped if module is head and name == "weight")
+        if not copy.requires_grad:
+            return
+
+        def before(module: nn.Module, args: tuple) -> None:
+            module._parameters["weight"] = _OneUse.apply(copy, (master,))
+
+        def after(module: nn.Module, args: tuple, output: Tensor) -> None:
+            module._parameters["weight"] = copy
+
+        self.hooks += [head.register_forward_pre_hook(before), head.register_forward_hook(after)]
+
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None) -> None:
+        for hook in self.hooks:
+            hook.remove()
         for module, name, master in reversed(self.swapped):
             module._parameters[name] = master
-        self.swapped = []
+        self.swapped, self.hooks = [], []
 
 
 def autocast_dtype(device: torch.device) -> torch.dtype | None:
