@@ -8,7 +8,8 @@
 #     TINY=1 OUT=/tmp/out bash scripts/gpu_mainjob.sh models fit resume ckpt-io harness test   # CPU dry run
 #
 # Stages (in this order; later ones read what earlier ones wrote under $WORK):
-#   models   random bf16 folders of Qwen3-4B-Instruct-2507 and Qwen3-1.7B (scripts/random_hf_folder.py)
+#   models   a random bf16 folder of Qwen3-4B-Instruct-2507 (scripts/random_hf_folder.py; the shipped 4B configs
+#            pair it with itself)
 #   fit      tandem-lit fit on CONFIG (h200: configs/rlvr/qwen3_4b_tandem.yaml; h100: its LoRA variant
 #            configs/rlvr/qwen3_4b_tandem_lora_h100.yaml), only paths and lengths overridden: STEPS
 #            rollout steps, validation at the start and every VAL_EVERY steps on VAL_BATCHES batches,
@@ -90,12 +91,22 @@ for name in "$@"; do
       { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no GPU"; \
         $PY -c 'import torch, transformers, lightning; print(torch.__version__, transformers.__version__, lightning.__version__)'; } \
         > "$OUT/env.txt" 2>&1
-      stage models 300 $PY scripts/random_hf_folder.py --model Qwen/Qwen3-4B-Instruct-2507 --model Qwen/Qwen3-1.7B \
+      stage models 300 $PY scripts/random_hf_folder.py --model Qwen/Qwen3-4B-Instruct-2507 \
         --tokenizer "$TOKENIZER" --out "$MODELS" "${MODEL_SIZE[@]}";;
     fit)
       rm -rf "$RUN"
       stage fit 590 $PY -m tandem_lit fit "${fit_args[@]}" --trainer.max_steps $((STEPS * updates_per_step))
       cp "$RUN/history.jsonl" "$OUT/fit_history.jsonl" 2>/dev/null
+      # each step's measured peak of each phase against the memory plan (torch's allocator; GiB)
+      $PY - "$RUN/history.jsonl" <<'EOF' | tee -a "$OUT/fit.txt"
+import json, sys
+for row in map(json.loads, open(sys.argv[1])):
+    if "train/rollout_peak_memory_gb" in row:
+        print("step {}: ".format(row.get("step")) + "; ".join(
+            "{} measured {:.1f} GiB, plan {:.1f}".format(phase, row[f"train/{phase}_peak_memory_gb"],
+                                                          row.get(f"train/{phase}_memory_plan_gb", float("nan")))
+            for phase in ("rollout", "update")))
+EOF
       cp "$RUN/summary.json" "$OUT/fit_summary.json" 2>/dev/null
       ls -l "$RUN/checkpoints" > "$OUT/fit_checkpoints.txt" 2>&1;;
     resume)

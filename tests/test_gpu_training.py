@@ -100,6 +100,12 @@ def test_tandem_grpo_steps_on_gpu(tmp_path, setting):
     if setting in ("fp32", "lora", "offload"):
         assert all(gap < 0.5 for gap in gaps), gaps
     assert all(row["train/rollout_setup_seconds"] > 0 and row["train/decode_step_ms"] > 0 for row in steps)
+    # each phase's own peak, beside the plan made when fit started: the rollout's holds the engine's
+    # caches, which are released before the update
+    for row in steps:
+        assert 0 < row["train/rollout_peak_memory_gb"] and 0 < row["train/update_peak_memory_gb"]
+        assert row["train/peak_memory_gb"] == max(row["train/rollout_peak_memory_gb"], row["train/update_peak_memory_gb"])
+        assert row["train/rollout_memory_plan_gb"] > 0 and row["train/update_memory_plan_gb"] > 0
     # after each step (the update just ran) the AdamW moments are on the GPU, offloaded or not
     assert placement.on_gpu == [True, True, True]
 

@@ -51,7 +51,7 @@ from tandem_lit.write_faults import fault_line, run_write_error, write_fault
 # (``loss``: each rank's part of the batch-wide normalised loss; counts every rank takes of the
 # whole batch, such as ``skipped_long_prompts`` and ``kept_groups``, are the same on every rank)
 SUMMED = {"loss", "grader_timeouts", "tokens_per_second"}
-LARGEST = {"peak_memory_gb"}
+LARGEST = {"peak_memory_gb", "rollout_peak_memory_gb", "update_peak_memory_gb"}
 
 
 class FSDP2Strategy(ModelParallelStrategy):

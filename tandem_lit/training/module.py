@@ -192,12 +192,12 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         if self.device.type != "cuda":
             return
         avoid_cudnn_attention_backward()
-        self.estimated_memory = plan_device_memory(self)
+        self.estimated_memory = self.metrics.plan = plan_device_memory(self)
 
     # --------------------------------------------------------------------------------- training
 
     def training_step(self, batch: list[dict[str, Any]], batch_idx: int) -> None:
-        self.metrics.start()
+        self.metrics.start(self.device)
         world, optimizer = self.trainer.world_size, self.optimizers().optimizer
         key = getattr(batch, "epoch", 0) * 1_000_003 + getattr(batch, "index", batch_idx)
         rows, skipped = self.rollouts.prompts_that_fit(batch)  # of the whole batch: every rank iterates the same ones
@@ -209,7 +209,7 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         if self.memory.release_rollout_caches:
             self.rollouts.release()  # the update's activations get the KV caches' memory
         offload_seconds += self.updates.restore_optimizer_state(optimizer)
-        self.metrics.rolled_out()
+        self.metrics.rolled_out(self.device)
         with out_of_memory.phase("update", self.device, self.trainer):
             update = None if result is None else self.updates.run(result, self.optimizers(), self.device, world, self.global_step)
         if update is not None:

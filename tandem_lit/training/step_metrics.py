@@ -24,6 +24,7 @@ from tandem_lit.evaluation.report import merge_totals
 from tandem_lit.rollout.engine import EngineTiming
 from tandem_lit.rollout.result import RolloutResult
 from tandem_lit.training.distributed import reduce_metrics
+from tandem_lit.training.memory import MemoryEstimate
 from tandem_lit.verifiers.base import Verifier, label_means
 
 GIB = 1024**3
@@ -69,14 +70,21 @@ class StepMetrics:
         self.count_skipped, self.offload = count_skipped, offload
         self.started = self.generated = 0.0
         self.timeouts: int | None = None
+        self.rollout_peak = 0  # bytes, torch's allocator, on a GPU
+        self.plan: MemoryEstimate | None = None  # the step's memory plan, once fit made it on a GPU
 
-    def start(self) -> None:
+    def start(self, device: torch.device) -> None:
         self.started = time.perf_counter()
         # graded 0 because the grader ran out of time (or could not decide): verifiers that count them
         self.timeouts = getattr(self.verifier, "timeouts", None)
+        if device.type == "cuda":  # each phase's own peak, to set beside the memory plan's
+            torch.cuda.reset_peak_memory_stats(device)
 
-    def rolled_out(self) -> None:
+    def rolled_out(self, device: torch.device) -> None:
         self.generated = time.perf_counter()
+        if device.type == "cuda":
+            self.rollout_peak = torch.cuda.max_memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
 
     def row(self, result: RolloutResult | None, rollout: dict[str, float], update: dict[str, float] | None,
             timing: EngineTiming | None, tokenizer, skipped: int, offload_seconds: float, device: torch.device,
@@ -103,8 +111,13 @@ class StepMetrics:
             stats["grader_timeouts"] = float(self.verifier.timeouts - self.timeouts)
         if self.offload:
             stats["optimizer_offload_seconds"] = offload_seconds
-        if device.type == "cuda":
-            stats["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / GIB
+        if device.type == "cuda":  # torch's allocator (the plan's fixed overhead is outside it)
+            update_peak = torch.cuda.max_memory_allocated(device)
+            stats.update(rollout_peak_memory_gb=self.rollout_peak / GIB, update_peak_memory_gb=update_peak / GIB,
+                         peak_memory_gb=max(self.rollout_peak, update_peak) / GIB)
+            if self.plan is not None:
+                stats.update({f"{phase}_memory_plan_gb": (sum(parts.values()) - parts.get("overhead", 0)) / GIB
+                              for phase, parts in (("rollout", self.plan.rollout), ("update", self.plan.update))})
         # the verifier's labels (elegance, tests passed...): means over the grades that carry them,
         # summed over ranks before dividing (ranks hold different numbers of, e.g., correct solutions)
         labels = {name: [mean * count, count] for name, (mean, count) in label_means(result.grades).items()} if result else {}
