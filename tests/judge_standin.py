@@ -87,34 +87,38 @@ class StandinJudge:
             self.seen.add(content)
         try:
             time.sleep(self.hold_s)
-            if "slow" in solution:
-                time.sleep(self.slow_s)
-            if "flaky" in solution and first:
-                return self.send(handler, 500, {"error": {"message": "internal error"}})
-            if "busy" in solution and first:
-                return self.send(handler, 429, {"error": {"message": "rate limited"}}, {"Retry-After": "0"})
-            if "toolong" in solution:
-                return self.send(handler, 400, {"error": {"message": "prompt is longer than the context"}})
-            if "notjson" in solution:
-                return self.send(handler, 200, None)
-            if "garble" in solution:
-                reply = "It is rather nice, I think.\nVERDICT: MAYBE"
-            elif "symmetry" in solution:
-                reply = "The key step is a symmetry argument.\nVERDICT: ELEGANT"
-            elif "case" in solution:
-                reply = "It checks every case.\nVERDICT: BASHY"
-            else:
-                reply = "No idea."
-            completion = {
-                "id": "standin",
-                "object": "chat.completion",
-                "model": body["model"],
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": reply}, "finish_reason": "stop"}],
-            }
-            self.send(handler, 200, completion)
-        finally:
+            reply = self.reply(body, solution, first)
+        finally:  # the request is done once its reply is ready: counted out before the client can see it
             with self.lock:
                 self.in_flight -= 1
+        self.send(handler, *reply)
+
+    def reply(self, body: dict, solution: str, first: bool) -> tuple:
+        """(status, payload[, headers]) of the response to a request for ``solution``."""
+        if "slow" in solution:
+            time.sleep(self.slow_s)
+        if "flaky" in solution and first:
+            return 500, {"error": {"message": "internal error"}}
+        if "busy" in solution and first:
+            return 429, {"error": {"message": "rate limited"}}, {"Retry-After": "0"}
+        if "toolong" in solution:
+            return 400, {"error": {"message": "prompt is longer than the context"}}
+        if "notjson" in solution:
+            return 200, None
+        if "garble" in solution:
+            reply = "It is rather nice, I think.\nVERDICT: MAYBE"
+        elif "symmetry" in solution:
+            reply = "The key step is a symmetry argument.\nVERDICT: ELEGANT"
+        elif "case" in solution:
+            reply = "It checks every case.\nVERDICT: BASHY"
+        else:
+            reply = "No idea."
+        return 200, {
+            "id": "standin",
+            "object": "chat.completion",
+            "model": body["model"],
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": reply}, "finish_reason": "stop"}],
+        }
 
     @staticmethod
     def send(handler: BaseHTTPRequestHandler, status: int, payload: dict | None, headers: dict | None = None) -> None:

@@ -72,13 +72,7 @@ class Verifier(ABC):
         return [g.correct for g in self.grade_batch(completions, **columns)]
 
     def check_columns(self, columns: dict[str, Sequence[Any]], count: int) -> None:
-        missing = [name for name in self.required_columns if name not in columns]
-        if missing:
-            raise MissingColumnError(
-                f"{type(self).__name__} needs dataset field(s) {missing}, but the rows only have "
-                f"{sorted(columns)}. Map your dataset's field to {missing[0]!r} in the DataModule "
-                f"(e.g. its answer_field option) or pick a verifier that matches the data."
-            )
+        self._require_columns(columns, "the batch")
         for name, values in columns.items():
             if len(values) != count:
                 raise ValueError(f"column {name!r} has {len(values)} values for {count} completions")
@@ -89,14 +83,18 @@ class Verifier(ABC):
     def check_rows(self, rows: Sequence[dict[str, Any]], where: str) -> None:
         """Before the first step: every row has the columns this verifier grades, of its types."""
         for i, row in enumerate(rows):
-            missing = [name for name in self.required_columns if name not in row]
-            if missing:
-                raise MissingColumnError(
-                    f"{where}: row {i} has no field {missing[0]!r}, which {type(self).__name__} grades (it has "
-                    f"{sorted(row)}). Map your dataset's field to {missing[0]!r} in the DataModule or pick a "
-                    f"verifier that matches the data."
-                )
+            self._require_columns(row, f"{where}: row {i}")
             check_record(row, self.column_types, where, i, self._type_fix())
+
+    def _require_columns(self, fields, where: str) -> None:
+        """One line naming the first field this verifier grades that ``fields`` lacks."""
+        missing = [name for name in self.required_columns if name not in fields]
+        if missing:
+            raise MissingColumnError(
+                f"{where} has no field {missing[0]!r}, which {type(self).__name__} grades (it has {sorted(fields)}). "
+                f"Map your dataset's field to {missing[0]!r} in the DataModule (e.g. its answer_field option) or pick "
+                f"a verifier that matches the data."
+            )
 
     def _type_fix(self) -> str:
         return f"{type(self).__name__} grades this column: fix that row of the data or pick a verifier that matches it"
