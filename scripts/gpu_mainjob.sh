@@ -40,14 +40,13 @@ VAL_BATCHES=${VAL_BATCHES:-1}                # of eval_batch_size (16) problems
 LIMIT=${LIMIT:-4}                            # problems of each eval set in the test stage
 TEST_TOKENS=${TEST_TOKENS:-$MAX_NEW_TOKENS}
 mkdir -p "$OUT" "$WORK"
-source benchmarks/gpu_env.sh  # wheels the machine lacks, PYTHONPATH
-PY=${PY:-python3}
-
 case $CARD in
   h200) CONFIG=${CONFIG:-configs/rlvr/qwen3_4b_tandem.yaml};;
   h100) CONFIG=${CONFIG:-configs/rlvr/qwen3_4b_tandem_lora_h100.yaml};;
   *) echo "CARD must be h200 or h100, got $CARD"; exit 2;;
 esac
+source benchmarks/gpu_env.sh  # wheels the machine lacks, PYTHONPATH
+PY=${PY:-python3}
 MODELS=$WORK/models
 RUN=$WORK/fit-$CARD
 SENIOR=$MODELS/Qwen__Qwen3-4B-Instruct-2507
