@@ -15,13 +15,16 @@ set -o pipefail
 cd "$(dirname "$0")/.."
 STAGES="gpu-tests rollout-fixed rollout-fixed-1024 rollout-fixed-qwen35 rollout-lognormal-64 rollout-lognormal-128
 rollout-lognormal-paged rollout-lognormal-qwen35-solo rollout-lognormal-qwen35-tandem step-tandem-fixed step-lognormal
-step-grpo-lognormal step-grpo-lognormal-packed step-qlora-fixed step-grpo-config step-grpo-vllm step-qwen35-lora"
+step-grpo-lognormal step-grpo-lognormal-packed step-qlora-fixed step-grpo-config step-grpo-vllm step-qwen35-lora
+step-switch-unrestricted step-partial-lognormal"
 if [ $# -eq 0 ]; then echo "stages:" $STAGES; exit 0; fi
 OUT=${OUT:?set OUT to a folder for the logs}
 TOKENIZER=${TOKENIZER:-../shared/models/qwen3-tokenizer}
 PROBLEMS=${PROBLEMS:-../shared/data/deepscaler/train/deepscaler_subset_803.json}
 source benchmarks/gpu_env.sh  # wheels the machine lacks, PYTHONPATH
 LOGNORMAL="lognormal:median=1000,sigma=0.8,cap=3000"
+# the config of the stages that take one: the paper's (an H200); on an 80 GB H100 its LoRA variant
+STEP_CONFIG=${STEP_CONFIG:-configs/rlvr/qwen3_4b_tandem.yaml}
 STEP=(python3 benchmarks/train_step.py --tokenizer "$TOKENIZER" --problems "$PROBLEMS")
 ROLLOUT=(python3 benchmarks/rollout.py --device cuda)
 VLLM_ENV=(env VLLM_USE_FLASHINFER_SAMPLER=0)  # vLLM unpacked into /tmp/site first (../shared/vllm/README.md)
@@ -73,6 +76,14 @@ for name in "$@"; do
       --arms grpo grpo-vllm --lengths "$LOGNORMAL" --warmup-steps 2 --json "$OUT/$name.json";;
     step-qwen35-lora) stage "$name" 590 "${STEP[@]}" --config configs/rlvr/qwen35_9b_2b_tandem.yaml --arms tandem --lora 16 \
       --gradient-checkpointing --warmup-steps 1 --json "$OUT/$name.json";;
+    # issue 51: the tandem step with switch tokens scored unrestricted, as before they were scored as drawn;
+    # its mismatch_kl beside step-lognormal's (as drawn) is what that fix removed
+    step-switch-unrestricted) stage "$name" 590 "${STEP[@]}" --config "$STEP_CONFIG" --arms tandem \
+      --lengths "$LOGNORMAL" --warmup-steps 2 --switch-scoring unrestricted --json "$OUT/$name.json";;
+    # issue 54: each arm as today and with rollout.partial (24 groups in flight over batches of 16), three
+    # measured steps each (the carry fills in the first): rollout seconds, busy slots, stale tokens
+    step-partial-lognormal) stage "$name" 590 "${STEP[@]}" --config "$STEP_CONFIG" --arms tandem grpo \
+      --lengths "$LOGNORMAL" --warmup-steps 2 --steps 3 --partial 24 --json "$OUT/$name.json";;
     *) echo "unknown stage $name; stages: $STAGES"; exit 2;;
   esac
 done

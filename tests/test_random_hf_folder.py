@@ -89,6 +89,7 @@ def test_the_gpu_stage_script_parses_and_refuses_an_unknown_card(tmp_path):
 
     script_path = REPO / "scripts/gpu_mainjob.sh"
     assert subprocess.run(["bash", "-n", str(script_path)]).returncode == 0
+    assert subprocess.run(["bash", "-n", str(REPO / "dev/gpu_call.sh")]).returncode == 0  # (dev/gpu_session.md)
     refused = subprocess.run(["bash", str(script_path), "fit"], env={"OUT": str(tmp_path), "CARD": "a100", "PATH": "/usr/bin:/bin"},
                              capture_output=True, text=True)
     assert refused.returncode == 2 and "CARD must be h200 or h100" in refused.stdout
