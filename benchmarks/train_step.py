@@ -431,8 +431,7 @@ class StepReport(L.Callback):
             self.full_tokens = module.sampling.max_new_tokens
         module.sampling.max_new_tokens = self.warmup_tokens if batch_idx < self.warmup else self.full_tokens
         if trainer.strategy.root_device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
+            torch.cuda.synchronize()  # (the module resets the allocator's peak as its step starts)
             self.device_used = self.rollout_device_used = 0.0
         self.started = time.perf_counter()
 

@@ -102,16 +102,14 @@ class ComputeWeights:
                     module._parameters[name] = copy
                     self.swapped.append((module, name, master))
         head = plain_model(self.model).get_output_embeddings()
-        if head is not None and any(module is head and name == "weight" for module, name, _ in self.swapped):
-            self._one_use_per_call(head)
+        master = next((m for module, name, m in self.swapped if module is head and name == "weight"), None)
+        if master is not None and master.requires_grad:
+            self._one_use_per_call(head, head._parameters["weight"], master)
         return self
 
-    def _one_use_per_call(self, head: nn.Module) -> None:
-        """Each call of ``head`` reads its weight's copy through its own ``_OneUse`` node; between
+    def _one_use_per_call(self, head: nn.Module, copy: nn.Parameter, master: nn.Parameter) -> None:
+        """Each call of ``head`` reads its weight's ``copy`` through its own ``_OneUse`` node; between
         calls (the fused head reads ``head.weight`` directly) the copy itself is in place."""
-        copy, master = head._parameters["weight"], next(m for module, name, m in self.swapped if module is head and name == "weight")
-        if not copy.requires_grad:
-            return
 
         def before(module: nn.Module, args: tuple) -> None:
             module._parameters["weight"] = _OneUse.apply(copy, (master,))

@@ -191,6 +191,12 @@ class MemoryEstimate:
         room = int((capacity - fixed) / (1 + self.slack)) - others
         return max(room, 0) // max(self.kv_bytes_per_token, 1)
 
+    def allocated(self) -> dict[str, int]:
+        """Each phase's bytes that torch's allocator holds: all but the fixed overhead (CUDA context,
+        cuBLAS workspaces), to set beside ``torch.cuda.max_memory_allocated``."""
+        return {phase: sum(parts.values()) - parts.get("overhead", 0)
+                for phase, parts in (("rollout", self.rollout), ("update", self.update))}
+
     @property
     def peak(self) -> int:
         return max(sum(self.rollout.values()), sum(self.update.values()), sum(self.sync.values()))

@@ -116,8 +116,7 @@ class StepMetrics:
             stats.update(rollout_peak_memory_gb=self.rollout_peak / GIB, update_peak_memory_gb=update_peak / GIB,
                          peak_memory_gb=max(self.rollout_peak, update_peak) / GIB)
             if self.plan is not None:
-                stats.update({f"{phase}_memory_plan_gb": (sum(parts.values()) - parts.get("overhead", 0)) / GIB
-                              for phase, parts in (("rollout", self.plan.rollout), ("update", self.plan.update))})
+                stats.update({f"{phase}_memory_plan_gb": held / GIB for phase, held in self.plan.allocated().items()})
         # the verifier's labels (elegance, tests passed...): means over the grades that carry them,
         # summed over ranks before dividing (ranks hold different numbers of, e.g., correct solutions)
         labels = {name: [mean * count, count] for name, (mean, count) in label_means(result.grades).items()} if result else {}
