@@ -97,6 +97,14 @@ def the_line(err: str) -> str:
     return lines[0]
 
 
+def stopped_line(capsys, root: Path, *args: str) -> str:
+    """The one line a fit run into a write fault stops with (exit code 2)."""
+    with pytest.raises(SystemExit) as stopped:
+        fit(root, *args)
+    assert stopped.value.code == 2
+    return the_line(capsys.readouterr().err)
+
+
 def assert_saved_runs_are_whole(root: Path, updates: int) -> None:
     """What the run saved before the fault reads back: the checkpoint, run.json, every line of
     completions.jsonl, the MLflow store with the metrics of the steps before; no partial files."""
@@ -121,10 +129,7 @@ def resume_and_finish(root: Path) -> None:
 
 def test_a_disk_that_fills_mid_run_ends_in_one_line_and_the_run_resumes(small_disk, capsys):
     root = small_disk / "run"
-    with pytest.raises(SystemExit) as stopped:
-        fit(root, *at_step("FillDisk", 2, small_disk))
-    assert stopped.value.code == 2
-    line = the_line(capsys.readouterr().err)
+    line = stopped_line(capsys, root, *at_step("FillDisk", 2, small_disk))
     assert "no space left on the device" in line and "cannot write " in line
     assert f"{root / 'checkpoints' / 'last.ckpt'} (update 2) is intact" in line
     assert line.endswith(f"then resume with --ckpt_path {root / 'checkpoints' / 'last.ckpt'}")
@@ -135,10 +140,7 @@ def test_a_disk_that_fills_mid_run_ends_in_one_line_and_the_run_resumes(small_di
 
 def test_a_run_folder_turned_read_only_mid_run_ends_in_one_line_and_the_run_resumes(small_disk, capsys):
     root = small_disk / "run"
-    with pytest.raises(SystemExit) as stopped:
-        fit(root, *at_step("ReadOnly", 2, root))
-    assert stopped.value.code == 2
-    line = the_line(capsys.readouterr().err)
+    line = stopped_line(capsys, root, *at_step("ReadOnly", 2, root))
     assert "the file system is read only" in line, line
     assert f"{root / 'checkpoints' / 'last.ckpt'} (update 2) is intact" in line
     assert_saved_runs_are_whole(root, 2)
@@ -207,11 +209,8 @@ def test_a_checkpoint_write_that_finds_the_disk_full_keeps_the_last_one_and_says
             raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598") from None
 
     monkeypatch.setattr(torch, "save", save)
-    with pytest.raises(SystemExit) as stopped:
-        fit(root)
-    assert stopped.value.code == 2
+    line = stopped_line(capsys, root)
     last = root / "checkpoints" / "last.ckpt"
-    line = the_line(capsys.readouterr().err)
     assert line.startswith(f"tandem-lit: error: cannot write checkpoint {last}: {fault}. ")
     assert f"{last} (update 2) is intact" in line and line.endswith(f"then resume with --ckpt_path {last}")
     monkeypatch.setattr(torch, "save", real_save)
@@ -223,10 +222,7 @@ def test_a_run_folder_read_only_from_the_start_is_one_line_with_no_checkpoint_to
     root = tmp_path / "run"
     root.mkdir()
     faulty_writes(monkeypatch, lambda path: root in path.parents, errno.EROFS)
-    with pytest.raises(SystemExit) as stopped:
-        fit(root, "--trainer.logger", "false")
-    assert stopped.value.code == 2
-    line = the_line(capsys.readouterr().err)
+    line = stopped_line(capsys, root, "--trainer.logger", "false")
     assert f"cannot write {root}" in line
     assert line.endswith("the file system is read only; no checkpoint was saved yet: make the run folder writable, "
                          "then start the run again")
