@@ -50,11 +50,11 @@ PY=${PY:-python3}
 MODELS=$WORK/models
 RUN=$WORK/fit-$CARD
 SENIOR=$MODELS/Qwen__Qwen3-4B-Instruct-2507
-EXTRA=()       # what the CPU dry run changes besides paths and lengths
+EXTRA=(${FIT_EXTRA:-})  # more fit/test flags (e.g. to skip the evaluation at start) and what the CPU dry run changes
 HARNESS=()
 if [ "$TINY" = 1 ]; then
   STEPS=1; MAX_NEW_TOKENS=8; TEST_TOKENS=8; LIMIT=1
-  EXTRA=(--trainer.accelerator cpu --trainer.precision 32-true --data.init_args.batch_size 2
+  EXTRA+=(--trainer.accelerator cpu --trainer.precision 32-true --data.init_args.batch_size 2
          --data.init_args.eval_batch_size 2 --data.init_args.val_size 2 --model.init_args.rollout.sampling.n 2
          --model.init_args.update.mini_batch_size 1)
   HARNESS=(--device cpu --prompts 2 --n 2)
