@@ -1,8 +1,8 @@
 """Write docs/performance.md from the raw results it cites.
 
 The page is regenerated, never edited by hand: docs/results/manifest.json names each table (the
-question it answers), each run (its raw file, command, card, date and the commit that recorded
-it) and, for every cell, the field of that run's JSON the figure is read from. A new measurement
+question it answers), each run (its raw file, command, card, date, the commit that recorded it and
+the stage of benchmarks/gpu.sh, or of the ``script`` it names, that measures it again) and, for every cell, the field of that run's JSON the figure is read from. A new measurement
 is a new raw file and a manifest entry; then
 
     python benchmarks/performance_page.py            # rewrite docs/performance.md
@@ -29,7 +29,10 @@ FORMATS = {
     "GiB": lambda v: f"{v:.1f} GiB",
     "%": lambda v: f"{100 * v:.1f}%",
     "int": lambda v: f"{v:,.0f}",
+    "kl": lambda v: f"{v:.4f}",
 }
+# the script whose stage (by name) measures a run again, where the run names none
+STAGE_SCRIPT = "benchmarks/gpu.sh"
 
 
 class ManifestError(ValueError):
@@ -119,7 +122,7 @@ def render(manifest: dict, results: Path = RESULTS) -> str:
         for number, key in enumerate(table_runs, start=1):
             run = runs[key]
             raw = ", ".join(f"`docs/results/{name}`" for name in [run["file"], *run.get("raw", [])])
-            out.append(f"[{number}] `{run['command']}` (stage `{run['stage']}` of `benchmarks/gpu.sh`; {raw})")
+            out.append(f"[{number}] `{run['command']}` (stage `{run['stage']}` of `{run.get('script', STAGE_SCRIPT)}`; {raw})")
             out.append("")
         out += [*table.get("notes", []), ""] if table.get("notes") else []
     out += [*manifest["outro"], ""]

@@ -130,10 +130,11 @@ def test_senior_logprobs_match_teacher_forcing(tokenizer, device):
     logp = (logits[:, -width - 1 : -1].float() / sampling.temperature).log_softmax(-1)
     expected = logp.gather(-1, out.completion_ids.unsqueeze(-1)).squeeze(-1)
     # switches (rollout.switch): a token drawn from a start set is renormalised over it; a senior
-    # span's end adds its end set's log-mass to the senior's last token
+    # span's end adds its end set's log-mass to the senior's last token. The codes live on the host
+    # (Rollout.start_set), the sets with the rest
     flat = logp.flatten(0, 1)
-    start = set_log_mass(flat, out.token_sets, out.start_set.flatten()).view_as(expected)
-    end = set_log_mass(flat, out.token_sets, out.end_set.flatten()).view_as(expected)
+    start = set_log_mass(flat, out.token_sets, out.start_set.flatten().to(device)).view_as(expected)
+    end = set_log_mass(flat, out.token_sets, out.end_set.flatten().to(device)).view_as(expected)
     expected = expected - start + torch.nn.functional.pad(end[:, 1:], (0, 1))
     written = out.completion_mask
     assert bool((out.start_set != 0).any()) and bool((out.end_set != 0).any())

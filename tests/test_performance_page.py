@@ -41,12 +41,17 @@ def test_a_hand_transcribed_result_names_the_raw_text_it_came_from(manifest):
 
 def test_every_row_has_its_card_date_commit_and_command(manifest, repo_root):
     listed = subprocess.run(["bash", "benchmarks/gpu.sh"], cwd=repo_root, capture_output=True, text=True, check=True)
-    stages = set(listed.stdout.split(":", 1)[1].split())
+    stages = {performance_page.STAGE_SCRIPT: set(listed.stdout.split(":", 1)[1].split())}
+    # the main job's stages (scripts/gpu_mainjob.sh, the CLI's runs): its case labels
+    mainjob = (repo_root / "scripts" / "gpu_mainjob.sh").read_text()
+    stages["scripts/gpu_mainjob.sh"] = set(re.findall(r"^ {4}([a-z-]+)\)$", mainjob, flags=re.M))
+    assert {"fit", "resume", "harness", "test"} <= stages["scripts/gpu_mainjob.sh"]
     for key, run in manifest["runs"].items():
         assert run["card"] in manifest["cards"], key
         assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", run["date"]) and re.fullmatch(r"[0-9a-f]{7,40}", run["commit"]), key
-        assert run["command"].startswith("python benchmarks/"), key
-        assert run["stage"] in stages, f"{key}: benchmarks/gpu.sh has no stage {run['stage']}"
+        assert run["command"].startswith(("python benchmarks/", "tandem-lit ")), key
+        script = run.get("script", performance_page.STAGE_SCRIPT)
+        assert run["stage"] in stages[script], f"{key}: {script} has no stage {run['stage']}"
     page = PAGE.read_text()
     for table in manifest["tables"]:
         assert f"## {table['question']}" in page
