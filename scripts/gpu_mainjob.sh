@@ -101,7 +101,8 @@ for name in "$@"; do
 import json, sys
 for row in map(json.loads, open(sys.argv[1])):
     if "train/rollout_peak_memory_gb" in row:
-        print("step {}: ".format(row.get("step")) + "; ".join(
+        print("step {}: {:.1f} s (rollout {:.1f}, update {:.1f}); ".format(
+            row.get("step"), row.get("train/step_seconds", float("nan")), row["train/rollout_seconds"], row["train/update_seconds"]) + "; ".join(
             "{} measured {:.1f} GiB, plan {:.1f}".format(phase, row[f"train/{phase}_peak_memory_gb"],
                                                           row.get(f"train/{phase}_memory_plan_gb", float("nan")))
             for phase in ("rollout", "update")))

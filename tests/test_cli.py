@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 import shutil
 
 import pytest
@@ -15,7 +16,7 @@ from tandem_lit.models.tiny import char_tokenizer, tiny_llama_config, write_mode
 TRAIN_METRICS = [
     "train/reward_mean", "train/reward_std", "train/accuracy", "train/zero_variance_groups",
     "train/junior_token_share", "train/handoffs_per_sequence", "train/response_length",
-    "train/truncation_rate", "train/jargon_rate", "train/loss",
+    "train/truncation_rate", "train/jargon_rate", "train/loss", "train/step_seconds",
 ]
 EVAL_METRICS = [
     f"eval/{mode}_{metric}" for mode in ("senior", "tandem", "junior")
@@ -66,6 +67,18 @@ def mlflow_run(root):
 
 def history(client, run, metric) -> dict[int, float]:
     return {m.step: m.value for m in client.get_metric_history(run.info.run_id, metric)}
+
+
+def test_the_evaluation_before_training_runs_the_batches_a_validation_runs(tmp_path):
+    """trainer.limit_val_batches bounds the evaluation at the start as it bounds each validation:
+    both write the same number of eval completions (2 problems of the 4 held out)."""
+    root = tmp_path / "run"
+    fit(root, *SMALL, "--trainer.max_steps", "1", "--trainer.val_check_interval", "1", "--trainer.limit_val_batches", "1",
+        "--data.init_args.val_size", "4", "--data.init_args.eval_batch_size", "2",
+        "--model.init_args.evaluation.sampling.max_new_tokens", "8", "--model.init_args.logging.completions_per_log", "64")
+    records = [json.loads(line) for line in (root / "completions.jsonl").read_text().splitlines()]
+    evaluated = Counter(r["step"] for r in records if r["split"] == "eval_tandem")
+    assert set(evaluated) == {0, 1} and evaluated[0] == evaluated[1], evaluated
 
 
 def test_fit_grpo_tiny_config_logs_everything(tmp_path, run_folder):

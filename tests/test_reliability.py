@@ -94,7 +94,12 @@ def test_a_signal_finishes_the_step_saves_it_and_resume_continues_exactly(tmp_pa
     assert [row["step"] for row in map(json.loads, (root / "history.jsonl").read_text().splitlines())] == [1, 2, 3]
     assert (root / "summary.json").exists()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "Ctrl-C is the user's again"
+    capsys.readouterr()
     fit(root, "--trainer.max_steps", "4", "--ckpt_path", str(root / "checkpoints" / "last.ckpt"))
+    # the summary counts the resumed run's own updates and says where it went on from
+    assert "tandem-lit: 1 update (resumed at update 3, 4 in all) in " in capsys.readouterr().out
+    assert json.loads((root / "summary.json").read_text())["resumed_at"] == 3
+    assert "resumed_at" not in json.loads((straight / "summary.json").read_text())
     a = torch.load(straight / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
     b = torch.load(root / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

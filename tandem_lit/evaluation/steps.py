@@ -122,7 +122,12 @@ class EvaluationSteps:
             return
         self.rollouts.ready()
         totals: dict[str, list[float]] = {}
+        # the batches a validation runs (trainer.limit_val_batches), so the first point of each eval
+        # curve is measured on the same problems as the others
+        limit = self.trainer.num_val_batches[0] if self.trainer.num_val_batches else float("inf")
         for index, rows in enumerate(self.trainer.val_dataloaders):
+            if index >= limit:
+                break
             self.evaluate_share(rows, index, totals)
         row = self.eval_means(totals)
         self.log_metrics_at_update(row)

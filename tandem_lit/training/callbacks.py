@@ -366,6 +366,10 @@ class RunReport(L.Callback):
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.started = time.perf_counter()
+        self.first_update = 0
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.first_update = trainer.global_step  # (a resumed run's, restored by now)
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.write(trainer, pl_module)
@@ -383,6 +387,8 @@ class RunReport(L.Callback):
         summary: dict[str, Any] = {
             "updates": trainer.global_step,
             "wall_seconds": round(time.perf_counter() - self.started, 1),
+            # a run resumed from a checkpoint: the update it went on from (its wall seconds are this run's)
+            **({"resumed_at": self.first_update} if self.first_update else {}),
             "run_folder": str(folder.resolve()),
         }
         for metric in sorted({m for row in history for m in row if m.startswith("eval/")}):
@@ -401,7 +407,12 @@ class RunReport(L.Callback):
 
 
 def format_summary(summary: dict[str, Any]) -> str:
-    lines = [f"tandem-lit: {summary['updates']} updates in {summary['wall_seconds']:.0f} s"]
+    resumed = summary.get("resumed_at") or 0
+    run = summary["updates"] - resumed
+    done = f"{run} update{'' if run == 1 else 's'}"
+    if resumed:
+        done += f" (resumed at update {resumed}, {summary['updates']} in all)"
+    lines = [f"tandem-lit: {done} in {summary['wall_seconds']:.0f} s"]
     for metric, span in summary.items():
         if isinstance(span, dict):
             lines.append(f"  {metric:<36} {span['first']:.3f} -> {span['last']:.3f}")

@@ -104,8 +104,10 @@ class StepMetrics:
                 stats.update(self.language.stats(spans))
             stats.update(update or {})
             stats["tokens_per_second"] = float(result.rollout.lengths.sum()) / max(self.generated - self.started, 1e-9)
+        now = time.perf_counter()
         stats["rollout_seconds"] = self.generated - self.started
-        stats["update_seconds"] = time.perf_counter() - self.generated
+        stats["update_seconds"] = now - self.generated
+        stats["step_seconds"] = now - self.started  # (the CLI's step, to set beside benchmarks/train_step.py's)
         stats.update(engine_phases(timing))
         if self.timeouts is not None:
             stats["grader_timeouts"] = float(self.verifier.timeouts - self.timeouts)
