@@ -30,6 +30,7 @@ FORMATS = {
     "%": lambda v: f"{100 * v:.1f}%",
     "int": lambda v: f"{v:,.0f}",
     "kl": lambda v: f"{v:.4f}",
+    "mb": lambda v: f"{v / 1e6:,.0f}",
 }
 # the script whose stage (by name) measures a run again, where the run names none
 STAGE_SCRIPT = "benchmarks/gpu.sh"
