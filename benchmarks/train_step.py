@@ -744,7 +744,7 @@ def main() -> None:
         name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
         say(f"# {args.config} on {name} x {args.devices} ({args.strategy or 'one process'}); copy bandwidth {bandwidth / 1e12:.2f} TB/s; {args.prompts} prompts x "
               f"n={args.n or model_args['rollout']['sampling']['n']} x {args.max_new_tokens or model_args['rollout']['sampling']['max_new_tokens']} "
-              f"tokens; lora={args.lora}")
+              f"tokens; lora={args.lora or (model_args.get('lora') or {}).get('r')}")  # --lora's rank, or the config's
         arms = [name for arm in args.arms for name in ((arm, arm + PARTIAL) if args.partial else (arm,))]
         results = {arm: run_arm(arm, model_args, trainer_args, args, root, bandwidth) for arm in arms}
     if not rank_zero():
