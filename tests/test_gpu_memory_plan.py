@@ -1,0 +1,68 @@
+"""The memory plan against what a step really holds, at the H100 config's shapes, on a GPU.
+
+``tandem-lit fit`` on ``configs/rlvr/qwen3_4b_tandem_lora_h100.yaml`` as written but for its paths
+and the response cap: a random-weight Qwen3-4B folder with the real tokenizer (scripts/random_hf_folder.py),
+16 prompts x 8 rollouts, the KV pool sized by ``kv_cache_gib: auto``. The cap is 512 tokens to keep
+the test short: the pool is allocated whole however long the rollouts, and the update's passes are
+filled to ``memory.micro_batch_tokens`` (``fill_passes``), so both phases meet the sizes the plan
+counts. The run logs each phase's peak (torch's allocator, reset as the phase starts) beside the
+plan's figure for it (less the plan's fixed overhead, which the allocator does not see).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("in_repo")]
+
+REPO = Path(__file__).resolve().parents[1]
+# the real Qwen3 tokenizer: beside the checkout on a developer's machine, unpacked into .gpu/ on a
+# GPU machine (dev/gpu_call.sh)
+TOKENIZERS = (REPO.parent / "shared/models/qwen3-tokenizer", REPO / ".gpu/qwen3-tokenizer")
+# how far above a phase's measured peak its plan may be: the plan errs high by design (an estimate
+# that errs low ends a run out of memory), but not by so much that it refuses runs that fit
+MOST_OVER = 1.5
+
+
+def tokenizer_folder() -> Path:
+    for folder in TOKENIZERS:
+        if (folder / "tokenizer.json").is_file():
+            return folder
+    pytest.skip(f"needs the Qwen3 tokenizer in one of {', '.join(map(str, TOKENIZERS))}")
+
+
+def random_4b_folder(out: Path) -> Path:
+    spec = importlib.util.spec_from_file_location("random_hf_folder", REPO / "scripts/random_hf_folder.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script.write_folder("Qwen/Qwen3-4B-Instruct-2507", tokenizer_folder(), out, device="cuda")
+
+
+def test_each_phase_peak_is_under_its_plan_at_the_h100_configs_shapes(tmp_path):
+    from tandem_lit.cli import main
+
+    if torch.cuda.get_device_properties(0).total_memory < 75 * 1024**3:
+        pytest.skip("the H100 config plans for an 80 GB card")
+    folder = random_4b_folder(tmp_path / "models")
+    problems = tmp_path / "train.json"
+    problems.write_text(json.dumps([{"problem": f"What is {i} plus {i}?", "answer": str(2 * i)} for i in range(40)]))
+    root = tmp_path / "run"
+    main(args=[
+        "fit", "--config", "configs/rlvr/qwen3_4b_tandem_lora_h100.yaml",
+        "--model.init_args.senior.path", str(folder), "--model.init_args.junior.path", str(folder),
+        "--data.init_args.source", str(problems), "--data.init_args.val_size", "2",
+        "--model.init_args.rollout.sampling.max_new_tokens", "512",
+        "--model.init_args.evaluation.at_start", "false", "--trainer.limit_val_batches", "0",
+        "--trainer.max_steps", "2", "--trainer.default_root_dir", str(root), "--trainer.enable_progress_bar", "false",
+    ])
+    rows = [json.loads(line) for line in (root / "history.jsonl").read_text().splitlines()]
+    (row,) = [row for row in rows if "train/rollout_peak_memory_gb" in row]
+    for phase in ("rollout", "update"):
+        peak, plan = row[f"train/{phase}_peak_memory_gb"], row[f"train/{phase}_memory_plan_gb"]
+        assert peak <= plan, f"the {phase} held {peak:.1f} GiB, more than its plan's {plan:.1f}"
+        assert plan <= MOST_OVER * peak, f"the {phase}'s plan, {plan:.1f} GiB, is far above its peak, {peak:.1f}"
