@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-from collections import Counter
 import shutil
+from collections import Counter
 
 import pytest
 import torch
