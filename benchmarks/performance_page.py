@@ -29,7 +29,7 @@ FORMATS = {
     "GiB": lambda v: f"{v:.1f} GiB",
     "%": lambda v: f"{100 * v:.1f}%",
     "int": lambda v: f"{v:,.0f}",
-    "kl": lambda v: f"{v:.4f}",
+    "4 places": lambda v: f"{v:.4f}",
     "mb": lambda v: f"{v / 1e6:,.0f}",
 }
 # the script whose stage (by name) measures a run again, where the run names none
