@@ -19,7 +19,7 @@ counts then: the weight sync before the rollouts gathers the whole senior at onc
 (``weights.gathered``) next to the rollout copy. The activation model is deliberately simple
 (saved tensors of a Llama-family block under bf16
 autocast, counted per token; a hybrid model's layers weighted by what they were measured to save,
-``HYBRID_LAYER_FACTORS``); ``benchmarks/train_step.py`` prints it next to the measured peak and
+``HYBRID_LAYER_FACTORS``; less what Liger's SwiGLU does not save, when the update runs it); ``benchmarks/train_step.py`` prints it next to the measured peak and
 ``dev/benchmarks/activation_bytes.py`` measures a layer's saved bytes against it.
 
 The rollout phase of an engine that prefills into staging caches and copies them into its own
@@ -123,12 +123,17 @@ class ModelShape:
         h, q, kv, inter = self.hidden, self.q_width, self.kv_width, self.intermediate
         return 2 * (r + c) * h + 2 * c * h + (4 + c) * (q + kv) + c * (3 * q + 2 * kv) + 4 * c * inter
 
-    def activation_bytes_per_token(self, checkpointing: bool, compute_bytes: int) -> int:
-        """Tensors saved for the backward pass, per token (see the module docstring)."""
+    def activation_bytes_per_token(self, checkpointing: bool, compute_bytes: int, fused_swiglu: bool = False) -> int:
+        """Tensors saved for the backward pass, per token (see the module docstring). ``fused_swiglu``:
+        Liger's SwiGLU saves the gate and up projections only and recomputes the activation in the
+        backward pass, so each layer saves one intermediate-wide tensor less (the same bytes in a
+        hybrid model's layers: its factors scale what the rest of the layer saves)."""
+        fused = compute_bytes * self.intermediate if fused_swiglu else 0
         if checkpointing:  # each layer keeps its input; one layer is recomputed at a time
-            return self.layers * max(self.param_bytes, self.trainable_bytes) * self.hidden + self.largest_layer_bytes_per_token(compute_bytes)
+            stored = self.layers * max(self.param_bytes, self.trainable_bytes) * self.hidden
+            return stored + self.largest_layer_bytes_per_token(compute_bytes) - fused
         factors = self.layer_factors or (1.0,) * self.layers
-        return int(sum(factors) * self.layer_bytes_per_token(compute_bytes))
+        return int(sum(factors) * self.layer_bytes_per_token(compute_bytes)) - self.layers * fused
 
     def largest_layer_bytes_per_token(self, compute_bytes: int) -> int:
         """The largest layer's saved tensors, per token: what one layer recomputed under
@@ -171,6 +176,7 @@ class StepSettings:
     kv_pool_tokens: int | None = None  # a paged engine's pool (positions); None: slot caches, sequences x tokens
     world: int = 1  # ranks the senior is sharded over (FSDP2); the other parts are per rank
     prefill_tokens: int | None = None  # padded positions of one engine prefill into staging caches; None: not counted
+    fused_swiglu: bool = False  # Liger's SwiGLU in the training forward (``memory.fused_kernels``)
     allocator_slack: float = 0.0  # of the rollout phase (``ALLOCATOR_SLACK`` for a run's estimate)
 
 
@@ -266,7 +272,7 @@ def estimate_step_memory(senior: ModelShape, junior: ModelShape | None, settings
     rollout["allocator slack"] = int(s.allocator_slack * slack)
     compute = 2 if s.mixed_precision else senior.trainable_bytes or senior.param_bytes
     # a training pass's saved tensors, or a forward-only pass's (more tokens, one layer at a time)
-    activations = max(s.micro_batch_tokens * senior.activation_bytes_per_token(s.checkpointing, compute),
+    activations = max(s.micro_batch_tokens * senior.activation_bytes_per_token(s.checkpointing, compute, s.fused_swiglu),
                       (s.forward_only_tokens or 0) * senior.largest_layer_bytes_per_token(compute))
     update = dict(
         common,
@@ -368,7 +374,7 @@ def estimate_module_memory(module, prompts_per_step: int | None = None, mixed_pr
         prompts_per_step or getattr(getattr(trainer, "datamodule", None), "batch_size", 1),
         "mixed" in str(getattr(trainer, "precision", "32")) if mixed_precision is None else mixed_precision,
         decode_dtype, *module.engine.kv_pool_size(), world=world or getattr(trainer, "world_size", 1),
-        prefill_tokens=module.engine.prefill_size(),
+        prefill_tokens=module.engine.prefill_size(), fused_kernels=module.updates.fused_kernels,
     )
 
 
@@ -390,14 +396,16 @@ def estimate_run_memory(
     senior: nn.Module, junior: nn.Module | None, reference_copy: bool, requested_dtype: str, rollout, update, memory,
     prompts_per_step: int, mixed_precision: bool, decode_dtype: torch.dtype | None = None,
     kv_pool_tokens: int | None = None, kv_pool_gib: float | None = None, world: int = 1,
-    prefill_tokens: int | None = None,
+    prefill_tokens: int | None = None, fused_kernels: tuple[str, ...] = (),
 ) -> MemoryEstimate:
     """A training step's memory, per GPU, from the models' shapes and a run's settings
     (``RolloutSettings``, ``UpdateSettings``, ``MemorySettings``); ``decode_dtype`` defaults to the
     engine's rollout dtype (``requested_dtype``) here: pass bf16 to size a GPU run elsewhere. A paged
     engine's pool counts as sized (``kv_pool_tokens`` positions, or ``kv_pool_gib``), else as slot
     caches. ``world``: ranks under FSDP2, each rolling out ``prompts_per_step / world`` prompts.
-    ``prefill_tokens``: the engine's prefill size, when it prefills into staging caches (FastEngine)."""
+    ``prefill_tokens``: the engine's prefill size, when it prefills into staging caches (FastEngine).
+    ``fused_kernels``: Liger's kernels the update runs (``UpdatePhase.fused_kernels``, known once fit
+    starts; none counts PyTorch's, which save more)."""
     from tandem_lit.rollout.weights import needs_copy, rollout_dtype
 
     if decode_dtype is None and requested_dtype != "live":
@@ -429,6 +437,7 @@ def estimate_run_memory(
         world=world,
         prefill_tokens=prefill_tokens,
         allocator_slack=ALLOCATOR_SLACK,
+        fused_swiglu="swiglu" in fused_kernels,
     )
     estimate = estimate_step_memory(senior_shape, junior_shape, settings)
     if kv_pool_gib is not None:
