@@ -76,6 +76,19 @@ stage() {  # name, seconds allowed, command...
   return $rc
 }
 
+report_steps() {  # history.jsonl, stage: each step's seconds and each phase's peak against the memory plan (GiB)
+  $PY - "$1" <<'EOF' | tee -a "$OUT/$2.txt"
+import json, sys
+for row in map(json.loads, open(sys.argv[1])):
+    if "train/rollout_peak_memory_gb" in row:
+        print("step {}: {:.1f} s (rollout {:.1f}, update {:.1f}); ".format(
+            row.get("step"), row.get("train/step_seconds", float("nan")), row["train/rollout_seconds"], row["train/update_seconds"]) + "; ".join(
+            "{} measured {:.1f} GiB, plan {:.1f}".format(phase, row[f"train/{phase}_peak_memory_gb"],
+                                                          row.get(f"train/{phase}_memory_plan_gb", float("nan")))
+            for phase in ("rollout", "update")))
+EOF
+}
+
 fit_args=(--config "$CONFIG" --model.init_args.senior.path "$SENIOR" --model.init_args.junior.path "$SENIOR"
           --data.init_args.source "$DATA/deepscaler/train" --data.init_args.eval_root "$DATA"
           --model.init_args.rollout.sampling.max_new_tokens "$MAX_NEW_TOKENS"
@@ -96,23 +109,14 @@ for name in "$@"; do
       rm -rf "$RUN"
       stage fit 590 $PY -m tandem_lit fit "${fit_args[@]}" --trainer.max_steps $((STEPS * updates_per_step))
       cp "$RUN/history.jsonl" "$OUT/fit_history.jsonl" 2>/dev/null
-      # each step's measured peak of each phase against the memory plan (torch's allocator; GiB)
-      $PY - "$RUN/history.jsonl" <<'EOF' | tee -a "$OUT/fit.txt"
-import json, sys
-for row in map(json.loads, open(sys.argv[1])):
-    if "train/rollout_peak_memory_gb" in row:
-        print("step {}: {:.1f} s (rollout {:.1f}, update {:.1f}); ".format(
-            row.get("step"), row.get("train/step_seconds", float("nan")), row["train/rollout_seconds"], row["train/update_seconds"]) + "; ".join(
-            "{} measured {:.1f} GiB, plan {:.1f}".format(phase, row[f"train/{phase}_peak_memory_gb"],
-                                                          row.get(f"train/{phase}_memory_plan_gb", float("nan")))
-            for phase in ("rollout", "update")))
-EOF
+      report_steps "$RUN/history.jsonl" fit
       cp "$RUN/summary.json" "$OUT/fit_summary.json" 2>/dev/null
       ls -l "$RUN/checkpoints" > "$OUT/fit_checkpoints.txt" 2>&1;;
     resume)
       stage resume 590 $PY -m tandem_lit fit "${fit_args[@]}" --trainer.max_steps $(((STEPS + 1) * updates_per_step)) \
         --ckpt_path "$RUN/checkpoints/last.ckpt"
-      cp "$RUN/history.jsonl" "$OUT/resume_history.jsonl" 2>/dev/null;;
+      cp "$RUN/history.jsonl" "$OUT/resume_history.jsonl" 2>/dev/null
+      report_steps "$RUN/history.jsonl" resume;;
     ckpt-io)
       stage ckpt-io 300 $PY - "$RUN/checkpoints/last.ckpt" <<'EOF'
 import json, os, sys, time, torch
