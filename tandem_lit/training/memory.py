@@ -17,10 +17,10 @@ micro-batches, plus the layers FSDP gathers for compute (the root unit, embeddin
 stays gathered from forward to backward; one or two decoder layers at a time). A third moment
 counts then: the weight sync before the rollouts gathers the whole senior at once
 (``weights.gathered``) next to the rollout copy. The activation model is deliberately simple
-(saved tensors of a Llama-family block under bf16
-autocast, counted per token; a hybrid model's layers weighted by what they were measured to save,
-``HYBRID_LAYER_FACTORS``; less what Liger's SwiGLU does not save, when the update runs it); ``benchmarks/train_step.py`` prints it next to the measured peak and
-``dev/benchmarks/activation_bytes.py`` measures a layer's saved bytes against it.
+(saved tensors of a Llama-family block under bf16 autocast, counted per token; a hybrid model's
+layers weighted by what they were measured to save, ``HYBRID_LAYER_FACTORS``; less what Liger's
+SwiGLU does not save, when the update runs it); ``benchmarks/train_step.py`` prints it next to the
+measured peak and ``dev/benchmarks/activation_bytes.py`` measures a layer's saved bytes against it.
 
 The rollout phase of an engine that prefills into staging caches and copies them into its own
 (FastEngine: ``StepSettings.prefill_tokens``) also counts what one prefill holds beside the pool:
