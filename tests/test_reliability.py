@@ -6,6 +6,7 @@ Everything goes through ``main(args=[...])``, the path of the ``tandem-lit`` com
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 
@@ -45,6 +46,10 @@ def test_a_second_run_into_a_used_folder_gets_its_own(tmp_path, capsys):
         assert [c["step"] for c in completions] == [1] * len(completions)  # one run's steps, once
         history = [json.loads(line) for line in (folder / "history.jsonl").read_text().splitlines()]
         assert {row["run_id"] for row in history} == {run_id}
+        # the step's wall time is its two phases' (the CLI's step, set beside the harness's)
+        steps = [row for row in history if "train/step_seconds" in row]
+        assert steps and all(math.isclose(row["train/step_seconds"], row["train/rollout_seconds"] + row["train/update_seconds"],
+                                          rel_tol=1e-9) for row in steps)
     assert sorted(p.name for p in (root / "checkpoints").iterdir()) == ["last.ckpt"]
 
 
