@@ -597,7 +597,7 @@ def run_arm(arm: str, model_args: dict, trainer_args: dict, args, root: Path, ba
         dump = Path(args.dump_logprobs).with_suffix(f".{arm}.pt")
         torch.save({"arm": arm, "passes": recorder.passes}, dump)
         say(f"{arm:>7} teacher-forced passes ({len(recorder.passes)}) written to {dump}")
-    estimate = module.estimated_memory or module.memory_estimate(prompts_per_step=args.prompts)  # made at fit start on GPU
+    estimate = module.metrics.plan or module.memory_estimate(prompts_per_step=args.prompts)  # made at fit start on GPU
     say(f"{arm:>7} memory estimate: {estimate.table()} (peak {estimate.peak / GIB:.1f} GiB); "
         f"fused kernels: {', '.join(module.updates.fused_kernels) or 'none'}")
     result = {"arm": arm, "steps": report.steps, "estimate_peak_gb": estimate.peak / GIB, "estimate": estimate.table(),

@@ -117,7 +117,6 @@ class TandemModule(EvaluationSteps, L.LightningModule):
                                    self.rollout_settings.max_prompt_tokens is not None, self.memory.offload_optimizer)
         self.idle_steps = IdleSteps(self.rollout_settings, self.update_settings.max_idle_steps)
         self._test_tallies: dict = {}  # eval set name -> DatasetTally, during `tandem-lit test`
-        self.estimated_memory = None  # MemoryEstimate of a step, made when fit starts on a GPU
         self.run_id: str | None = None  # set when fit starts; kept by checkpoints across resumes
         self.senior = self.junior = self.reference = None  # (nn.Module, once configure_model or bind_models ran)
         # every logged metric row, for plots and summaries. (No save_hyperparameters: the resolved
@@ -192,7 +191,7 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         if self.device.type != "cuda":
             return
         avoid_cudnn_attention_backward()
-        self.estimated_memory = self.metrics.plan = plan_device_memory(self)
+        self.metrics.plan = plan_device_memory(self)  # (each step's row sets its peaks beside it)
 
     # --------------------------------------------------------------------------------- training
 
