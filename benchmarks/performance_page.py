@@ -2,8 +2,9 @@
 
 The page is regenerated, never edited by hand: docs/results/manifest.json names each table (the
 question it answers), each run (its raw file, command, card, date, the commit that recorded it and
-the stage of benchmarks/gpu.sh, or of the ``script`` it names, that measures it again) and, for every cell, the field of that run's JSON the figure is read from. A new measurement
-is a new raw file and a manifest entry; then
+the stage of benchmarks/gpu.sh, or of the ``script`` it names, that measures it again) and, for
+every cell, the field of that run's JSON the figure is read from. A new measurement is a new raw
+file and a manifest entry; then
 
     python benchmarks/performance_page.py            # rewrite docs/performance.md
     python benchmarks/performance_page.py --check    # exit 1 if the committed page is stale
