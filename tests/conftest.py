@@ -6,6 +6,8 @@ every test runs the same code paths a hub model would, on CPU, in milliseconds.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,17 @@ import torch
 from tandem_lit.models.tiny import char_tokenizer, tiny_llama_config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_script(name: str):
+    """``scripts/<name>.py`` as a module, loaded once (the scripts are not a package)."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "scripts" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up while the file runs
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
 
 # Few characters, so that a random model writes spaces, full stops, line breaks and end tokens
 # often: handoff boundaries and finished rollouts show up within a couple of dozen tokens.

@@ -11,19 +11,19 @@ plan's figure for it (less the plan's fixed overhead, which the allocator does n
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.conftest import REPO_ROOT, load_script
+
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("in_repo")]
 
-REPO = Path(__file__).resolve().parents[1]
 # the real Qwen3 tokenizer: beside the checkout on a developer's machine, unpacked into .gpu/ on a
 # GPU machine (dev/gpu_call.sh)
-TOKENIZERS = (REPO.parent / "shared/models/qwen3-tokenizer", REPO / ".gpu/qwen3-tokenizer")
+TOKENIZERS = (REPO_ROOT.parent / "shared/models/qwen3-tokenizer", REPO_ROOT / ".gpu/qwen3-tokenizer")
 # how far above a phase's measured peak its plan may be: the plan errs high by design (an estimate
 # that errs low ends a run out of memory), but not by so much that it refuses runs that fit
 MOST_OVER = 1.5
@@ -37,10 +37,7 @@ def tokenizer_folder() -> Path:
 
 
 def random_4b_folder(out: Path) -> Path:
-    spec = importlib.util.spec_from_file_location("random_hf_folder", REPO / "scripts/random_hf_folder.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script.write_folder("Qwen/Qwen3-4B-Instruct-2507", tokenizer_folder(), out, device="cuda")
+    return load_script("random_hf_folder").write_folder("Qwen/Qwen3-4B-Instruct-2507", tokenizer_folder(), out, device="cuda")
 
 
 def test_each_phase_peak_is_under_its_plan_at_the_h100_configs_shapes(tmp_path):

@@ -5,7 +5,6 @@ figures on a sample of every eval set in ../shared/data."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 import os
 import pickle
 import random
@@ -24,6 +23,7 @@ from tandem_lit.verifiers import MathVerifier, MissingColumnError, MissingDepend
 from tandem_lit.verifiers.math import require_math_verify
 from tandem_lit.verifiers.math_grader import extract_boxed, normalize_answer, normalize_references
 from tandem_lit.verifiers.workers import WorkerPool, WorkerStartError
+from tests.conftest import load_script
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("TANDEM_LIT_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
@@ -405,20 +405,11 @@ def test_bad_settings_are_config_errors():
 # -- real data: own reference correct, perturbed answer wrong ------------------------------------
 
 
-def _sanity_module():
-    if "grader_sanity" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("grader_sanity", REPO_ROOT / "scripts" / "grader_sanity.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
-        spec.loader.exec_module(module)
-    return sys.modules["grader_sanity"]
-
-
 @pytest.mark.skipif(not SHARED_DATA.is_dir(), reason=f"real eval data not found at {SHARED_DATA}")
 def test_sanity_on_a_sample_of_every_eval_set(verifier):
     from tandem_lit.data.math import EVAL_SETS, load_eval_rows
 
-    sanity = _sanity_module()
+    sanity = load_script("grader_sanity")
     reports = []
     for name in EVAL_SETS:
         rows = load_eval_rows(name, root=str(SHARED_DATA))
@@ -432,7 +423,7 @@ def test_sanity_on_a_sample_of_every_eval_set(verifier):
 
 
 def test_perturbation_changes_the_value():
-    perturb = _sanity_module().perturb
+    perturb = load_script("grader_sanity").perturb
     assert perturb("204") == "205"
     assert perturb(r"864 \mbox{ inches}^2") == r"865 \mbox{ inches}^2"
     assert perturb(r"\text{Evelyn}") == r"\text{EvelynX}"

@@ -4,7 +4,6 @@ weights, with the real tokenizer and its chat template."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import pytest
 import torch
 
 from tandem_lit.models.loading import ModelSource, load_causal_lm, load_tokenizer
+from tests.conftest import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 QWEN3_TOKENIZER = REPO.parent / "shared/models/qwen3-tokenizer"
@@ -19,10 +19,7 @@ needs_tokenizer = pytest.mark.skipif(not QWEN3_TOKENIZER.is_dir(), reason="../sh
 
 
 def script():
-    spec = importlib.util.spec_from_file_location("random_hf_folder", REPO / "scripts/random_hf_folder.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("random_hf_folder")
 
 
 @needs_tokenizer
