@@ -23,8 +23,13 @@ TOKENIZER=${TOKENIZER:-../shared/models/qwen3-tokenizer}
 PROBLEMS=${PROBLEMS:-../shared/data/deepscaler/train/deepscaler_subset_803.json}
 source benchmarks/gpu_env.sh  # wheels the machine lacks, PYTHONPATH
 LOGNORMAL="lognormal:median=1000,sigma=0.8,cap=3000"
-# the config of the stages that take one: the paper's (an H200); on an 80 GB H100 its LoRA variant
-STEP_CONFIG=${STEP_CONFIG:-configs/rlvr/qwen3_4b_tandem.yaml}
+# the config of the stages that take one: the paper's on an H200 (CARD=h200, the default); on an 80 GB
+# H100 (CARD=h100) its LoRA variant, since the paper's plans 121 GiB
+case ${CARD:-h200} in
+  h100) STEP_CONFIG=${STEP_CONFIG:-configs/rlvr/qwen3_4b_tandem_lora_h100.yaml};;
+  *) STEP_CONFIG=${STEP_CONFIG:-configs/rlvr/qwen3_4b_tandem.yaml};;
+esac
+echo "STEP_CONFIG=$STEP_CONFIG"
 STEP=(python3 benchmarks/train_step.py --tokenizer "$TOKENIZER" --problems "$PROBLEMS")
 ROLLOUT=(python3 benchmarks/rollout.py --device cuda)
 VLLM_ENV=(env VLLM_USE_FLASHINFER_SAMPLER=0)  # vLLM unpacked into /tmp/site first (../shared/vllm/README.md)
@@ -81,9 +86,11 @@ for name in "$@"; do
     step-switch-unrestricted) stage "$name" 590 "${STEP[@]}" --config "$STEP_CONFIG" --arms tandem \
       --lengths "$LOGNORMAL" --warmup-steps 2 --switch-scoring unrestricted --json "$OUT/$name.json";;
     # issue 54: each arm as today and with rollout.partial (24 groups in flight over batches of 16), three
-    # measured steps each (the carry fills in the first): rollout seconds, busy slots, stale tokens
-    step-partial-lognormal) stage "$name" 590 "${STEP[@]}" --config "$STEP_CONFIG" --arms tandem grpo \
-      --lengths "$LOGNORMAL" --warmup-steps 2 --steps 3 --partial 24 --json "$OUT/$name.json";;
+    # measured steps each (the carry fills in the first): rollout seconds, busy slots, stale tokens.
+    # ARMS="tandem" or "grpo" runs one arm's pair (a call's ten minutes hold one pair on an H100)
+    step-partial-lognormal) stage "$name${ARMS:+-${ARMS// /-}}" 590 "${STEP[@]}" --config "$STEP_CONFIG" --arms ${ARMS:-tandem grpo} \
+      --lengths "$LOGNORMAL" --warmup-steps 2 --steps "${MEASURED_STEPS:-3}" --partial 24 \
+      --json "$OUT/$name${ARMS:+-${ARMS// /-}}.json";;
     *) echo "unknown stage $name; stages: $STAGES"; exit 2;;
   esac
 done

@@ -13,6 +13,8 @@ if compgen -G "$WHEELS/*.whl" >/dev/null; then
     echo "$installed" > /tmp/site/.wheels
   fi
   export PYTHONPATH=/tmp/site:$PWD
+elif [ -f /tmp/site/.wheels ]; then  # a warm machine's later call that did not carry them again
+  export PYTHONPATH=/tmp/site:$PWD
 else
   export PYTHONPATH=$PWD
 fi
