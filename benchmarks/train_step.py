@@ -479,6 +479,9 @@ class StepReport(L.Callback):
             "mismatch_kl": row.get("train/mismatch_kl", float("nan")),
             "mismatch_ess": row.get("train/mismatch_ess", float("nan")),
             "busy_slot_fraction": row.get("train/rollout_busy_slot_fraction", float("nan")),
+            # rows writing a token in a mean decode step, of rollout.batch_size (issue 54's "live rows")
+            "mean_live_rows": row.get("train/rollout_mean_live_rows", float("nan")),
+            "live_row_fraction": row.get("train/rollout_mean_live_rows", float("nan")) / module.rollouts.settings.batch_size,
             **{key.removeprefix("train/"): value for key, value in row.items()
                if key.startswith(("train/partial_", "train/stale_token_"))},
         }
@@ -499,11 +502,13 @@ class StepReport(L.Callback):
                 f"busy slots {row.get('train/rollout_busy_slot_fraction', float('nan')):.0%}")
         roofline = (f" ({step['decode_roofline_share']:.0%} of the roofline of every row decoding at once, {step['roofline_ms']:.2f} ms)"
                     if self.fixed_lengths else "")
+        live = (f"{step['mean_live_rows']:.0f} of {module.rollouts.settings.batch_size} rows live "
+                f"({step['live_row_fraction']:.0%}); " if step["mean_live_rows"] == step["mean_live_rows"] else "")
         preempted = (f"{step['preemptions']:.0f} preempted, {step['resumed_tokens']:,.0f} tokens prefilled again to resume, pool "
                      f"peak {step['kv_pool_peak_fraction']:.0%}; " if step["kv_pool_peak_fraction"] == step["kv_pool_peak_fraction"] else "")
         say(f"{self.arm:>7} step {len(self.steps)}: {seconds:7.1f} s = rollout {step['rollout_seconds']:6.1f} s "
               f"(setup {step['setup_seconds']:.2f}, prefill {step['prefill_seconds']:.2f}, decode {step['decode_seconds']:.1f} s = "
-              f"{step['decode_steps']:,.0f} steps x {step['decode_step_ms']:.2f} ms{roofline}; {preempted}"
+              f"{step['decode_steps']:,.0f} steps x {step['decode_step_ms']:.2f} ms{roofline}; {live}{preempted}"
               f"{step['rollout_tokens_per_second']:,.0f} tok/s; optimizer offload "
               f"{step['offload_seconds']:.1f} s) + update {step['update_seconds']:6.1f} s (log-probs "
               f"{step['update_logprob_seconds']:.1f} s, passes {step['update_passes_seconds']:.1f} s, optimizer "
@@ -698,6 +703,8 @@ def main() -> None:
     parser.add_argument("--partial", type=int, default=None, metavar="IN_FLIGHT",
                         help="also run each arm with rollout.partial (IN_FLIGHT prompt groups in flight; docs/partial_rollouts.md) "
                              "and print the ratio of its rollout time to today's")
+    parser.add_argument("--partial-only", action="store_true",
+                        help="with --partial: run only the partial arms (today's measured in an earlier run on the machine)")
     parser.add_argument("--max-staleness", type=int, default=1, help="with --partial: rollout.partial.max_staleness")
     parser.add_argument("--switch-scoring", default="as-drawn", choices=["as-drawn", "unrestricted"],
                         help="unrestricted: the trainer scores switch tokens under the unrestricted distribution, as "
@@ -720,6 +727,8 @@ def main() -> None:
         except MissingDependencyError as error:  # before any model is built: one line, not a traceback an arm later
             parser.error(str(error))
 
+    if args.partial_only and not args.partial:
+        parser.error("--partial-only runs the partial arms: give --partial IN_FLIGHT")
     config = yaml.safe_load(Path(args.config).read_text())
     model_args, trainer_args = config["model"]["init_args"], config.get("trainer", {})
     if args.tiny:
@@ -745,11 +754,12 @@ def main() -> None:
         say(f"# {args.config} on {name} x {args.devices} ({args.strategy or 'one process'}); copy bandwidth {bandwidth / 1e12:.2f} TB/s; {args.prompts} prompts x "
               f"n={args.n or model_args['rollout']['sampling']['n']} x {args.max_new_tokens or model_args['rollout']['sampling']['max_new_tokens']} "
               f"tokens; lora={args.lora or (model_args.get('lora') or {}).get('r')}")  # --lora's rank, or the config's
-        arms = [name for arm in args.arms for name in ((arm, arm + PARTIAL) if args.partial else (arm,))]
+        arms = [name for arm in args.arms
+                for name in ((arm + PARTIAL,) if args.partial_only else (arm, arm + PARTIAL) if args.partial else (arm,))]
         results = {arm: run_arm(arm, model_args, trainer_args, args, root, bandwidth) for arm in arms}
     if not rank_zero():
         return  # rank 0 writes the results
-    if args.partial:
+    if args.partial and not args.partial_only:
         for arm in args.arms:  # mean over the measured steps: carried groups make a step's rollout differ from the next
             today, partial = (sum(s[key] for s in results[a]["steps"]) / len(results[a]["steps"])
                               for a in (arm, arm + PARTIAL) for key in ("rollout_seconds",))

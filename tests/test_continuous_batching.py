@@ -164,6 +164,7 @@ def check_queue(engines, prompts, policy, sampling, compacts=True):
     assert timing.refills > 0 and (timing.compactions > 0 or not compacts)  # slots were reused and rows moved
     assert timing.prefill_beside_s == 0
     assert 0 < timing.busy_slot_fraction <= 1
+    assert timing.written_tokens == int(got.lengths.sum())  # every response token, written once (the mean live rows' numerator)
     return got
 
 

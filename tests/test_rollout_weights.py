@@ -144,4 +144,5 @@ def test_every_rollout_after_an_update_decodes_the_updated_weights(tmp_path, lor
     assert all(row["train/rollout_logp_gap_max"] >= row["train/rollout_logp_gap_mean"] for row in steps)
     assert all(row["train/rollout_setup_seconds"] > 0 for row in steps), "caches are released and re-allocated"
     assert all(0 < row["train/rollout_busy_slot_fraction"] <= 1 for row in steps)
+    assert all(0 < row["train/rollout_mean_live_rows"] <= 3 for row in steps), "rows writing a token in a mean decode step, of 3 at once"
     assert all(row["train/rollout_refilled_sequences"] == 8 - 3 and row["train/rollout_refills"] >= 1 for row in steps)

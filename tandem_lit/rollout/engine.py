@@ -111,10 +111,12 @@ class EngineTiming:
     prompt_width: int = 0  # the widest padded prompt
     calls: int = 1
     # continuous batching (FastEngine): prefills run beside decode chunks (part of prefill_s),
-    # tokens written over the row-steps paid for, refills of freed rows and the sequences they
-    # admitted, compactions of live rows into a smaller captured batch
+    # tokens written over the row-steps paid for, the tokens written (over decode_steps: the mean
+    # live rows), refills of freed rows and the sequences they admitted, compactions of live rows
+    # into a smaller captured batch
     prefill_beside_s: float | None = None
     busy_slot_fraction: float | None = None
+    written_tokens: int | None = None
     refills: int | None = None
     refilled_sequences: int | None = None
     compactions: int | None = None

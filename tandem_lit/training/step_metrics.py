@@ -43,9 +43,12 @@ def engine_phases(timing: EngineTiming | None) -> dict[str, float]:
         "decode_step_ms": timing.decode_step_ms,
         "rollout_prompt_width": timing.prompt_width / calls,
     }
-    # continuous batching: the share of decoded row-steps that wrote a token
+    # continuous batching: the share of decoded row-steps that wrote a token, and the rows that
+    # wrote one in a mean decode step (against rollout.batch_size: how far the batch drained)
     if timing.busy_slot_fraction is not None:
         phases["rollout_busy_slot_fraction"] = timing.busy_slot_fraction / calls
+    if timing.written_tokens is not None:
+        phases["rollout_mean_live_rows"] = timing.written_tokens / max(timing.decode_steps, 1)
     # ... its refills: prefills of queued sequences into freed rows, and the sequences they admitted
     if timing.refilled_sequences is not None:
         phases.update(rollout_refills=timing.refills, rollout_refilled_sequences=timing.refilled_sequences)

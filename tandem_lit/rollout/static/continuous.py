@@ -350,7 +350,7 @@ class ContinuousRun:
         timing = EngineTiming(
             setup_s=self.setup_s, prefill_s=waited + beside, prefill_beside_s=beside,
             decode_s=total - waited, decode_steps=self.steps, prompt_width=self.width,
-            busy_slot_fraction=self.live_steps / max(self.slot_steps, 1),
+            busy_slot_fraction=self.live_steps / max(self.slot_steps, 1), written_tokens=self.live_steps,
             refills=self.refills, refilled_sequences=self.refilled, compactions=self.compactions,
         )
         if isinstance(self.table, PagedSlotTable):
