@@ -705,7 +705,8 @@ def main() -> None:
                              "and print the ratio of its rollout time to today's")
     parser.add_argument("--partial-only", action="store_true",
                         help="with --partial: run only the partial arms (today's measured in an earlier run on the machine)")
-    parser.add_argument("--max-staleness", type=int, default=1, help="with --partial: rollout.partial.max_staleness")
+    parser.add_argument("--max-staleness", type=int, default=2,
+                        help="with --partial: rollout.partial.max_staleness (at least the updates a step makes: 2 in the 4B configs)")
     parser.add_argument("--switch-scoring", default="as-drawn", choices=["as-drawn", "unrestricted"],
                         help="unrestricted: the trainer scores switch tokens under the unrestricted distribution, as "
                              "before issue 51's fix, against the engine's as-drawn log-probs (mismatch_kl measures the fix)")

@@ -197,6 +197,43 @@ def test_stale_tokens_are_counted_and_bounded_in_both_modes(kind):
             same_rollout_rows(result.rollout, i, want, j)  # same seed, same (unchanged) weights
 
 
+def test_a_steps_updates_are_one_per_ppo_mini_batch_of_this_ranks_groups():
+    from tandem_lit.training.distributed import Shares
+
+    assert Shares(1, 0, prompts_per_update=8).updates(16) == 2  # the paper config: 16 prompts, mini-batches of 8
+    assert Shares(1, 0, prompts_per_update=8).updates(17) == 3  # a step with a group more than its batch
+    assert Shares(2, 1, prompts_per_update=8).updates(8) == 2  # each of 2 ranks holds 4 of every mini-batch
+    assert Shares(1, 0).updates(16) == 1 and Shares(1, 0, prompts_per_update=8).updates(0) == 0
+
+
+def test_staleness_counts_every_update_of_a_step_not_one_per_step():
+    """PPO mini-batches of 2 groups: the first step trains 2 groups (1 update) and carries 2, the
+    next trains 4 (2 updates). At max_staleness 2 (stale: correct) a carried group is 1 update old
+    in the second phase; carried past its 2 updates it would be 3, so it must finish and train now
+    (counting one update a step, it went on). max_staleness 1 is below a full step's 2 updates:
+    no carried token could meet it, and it is refused in one line."""
+    from tandem_lit.errors import ConfigError
+    from tandem_lit.training.distributed import Shares
+    from tandem_lit.training.settings import PartialRollouts
+
+    mini_batches_of_2 = Shares(1, 0, prompts_per_update=2)
+    module = tiny_module(ENGINES["fast"](), PartialRollouts(in_flight_prompts=6, max_staleness=2, stale="correct"))
+    phase = module.rollouts
+    _, stats = phase.training_rollouts(ROWS_A, WordHandoff(0.5), key=7, shares=mini_batches_of_2)
+    assert stats["partial_trained_groups"] == 2 and stats["partial_carried_groups"] == 2
+    carried = [g for g in phase.in_flight.groups if g.oldest_senior() is not None]
+    assert carried
+    phase.policy_moved(mini_batches_of_2.updates(2))  # the first step's one update
+    result, stats = phase.training_rollouts(ROWS_B, WordHandoff(0.5), key=8, shares=mini_batches_of_2)
+    assert stats["partial_trained_groups"] >= 4 and stats["partial_finished_stale_sequences"] > 0
+    assert all(g not in phase.in_flight.groups for g in carried)
+    assert stats["stale_token_max_age"] == 1.0
+
+    module = tiny_module(ENGINES["fast"](), PartialRollouts(in_flight_prompts=6, max_staleness=1))
+    with pytest.raises(ConfigError, match=r"max_staleness is 1, but a step makes 2 optimiser updates .* set max_staleness >= 2"):
+        module.rollouts.training_rollouts(ROWS_A, WordHandoff(0.5), key=7, shares=mini_batches_of_2)
+
+
 @pytest.mark.parametrize("kind", ENGINES)
 def test_with_nothing_to_carry_partial_rollouts_train_token_for_token_as_today(kind, tmp_path):
     """``rollout.partial`` whose in-flight groups are just the batch ends each phase when every

@@ -342,6 +342,13 @@ class Shares:
         """This rank's places among the ``groups`` a step trains (``balanced`` first)."""
         return rank_rows(groups, self.world, self.rank, self.prompts_per_update) if groups else []
 
+    def updates(self, groups: int) -> int:
+        """The optimiser updates a step makes that trains ``groups`` of this rank's groups: one per
+        PPO mini-batch of ``prompts_per_update / W`` of them (as ``UpdatePhase`` cuts them), one
+        when no mini-batch is set."""
+        per_update = self.prompts_per_update // self.world if self.prompts_per_update else groups
+        return -(-groups // max(per_update, 1)) if groups else 0
+
     def of_round(self, rows: int) -> list[int]:
         """This rank's rows of a dynamic-sampling round: contiguous, counts differing by one at most
         (a round refills what is missing, often fewer rows than ranks: some then roll out nothing)."""

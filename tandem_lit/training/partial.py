@@ -4,7 +4,8 @@ A step's rollout phase with partial rollouts on:
 
     carried groups (oldest first) + the step's new groups         = the groups in flight
     -> staleness: carried sequences that would exceed ``max_staleness`` are redrawn, or must
-       finish in this phase (``stale``)
+       finish in this phase (``stale``); a step makes one update per PPO mini-batch, and a
+       ``max_staleness`` below a step's updates is refused
     -> the engine decodes every unfinished sequence (paused ones resume from what they wrote)
        until the step's groups are complete (``StopRule``), pausing the rest
     -> the first complete groups (those that must train now first, then in flight order) are
@@ -163,10 +164,18 @@ class InFlight:
         counts = PhaseCounts(carried_in=len(self.groups))
         pool = self.groups + new
         counts.in_flight = len(pool)
-        counts.redrawn, counts.finished_stale = self.handle_stale(pool, version)
         carry = max(self.settings.in_flight_prompts // shares.world - len(mine), 0)
-        trained = max(1, min(len(mine), len(pool) - carry)) if pool else 0
-        trained = max(trained, sum(g.must_finish for g in pool))
+        if carry:
+            self.check_bound(shares, len(mine))
+        base = max(1, min(len(mine), len(pool) - carry)) if pool else 0
+        counts.redrawn = self.redraw_stale(pool, version)
+        trained = base
+        while True:  # groups that must finish train now; more trained groups make more updates, nearing the bound
+            counts.finished_stale = self.mark_must_finish(pool, version, shares.updates(trained))
+            need = max(base, sum(g.must_finish for g in pool))
+            if need <= trained:
+                break
+            trained = need
         if shares.world > 1:  # every rank trains as many groups (their pools are as large)
             trained = max_over_ranks(trained, shares.device)
         trained = min(trained, len(pool))
@@ -192,24 +201,41 @@ class InFlight:
         stats.update(staleness_stats(result.rollout))
         return result, stats
 
-    def handle_stale(self, pool: list[Group], version: int) -> tuple[int, int]:
-        """Apply ``max_staleness`` to the carried sequences at policy ``version``: ``redraw`` drops
-        those whose oldest senior token is already more than ``max_staleness`` updates old;
-        ``correct`` makes every group holding a senior token that would be, were it carried once
-        more, finish and train in this phase. Returns (sequences redrawn, sequences that must finish)."""
-        bound, redrawn, finishing = self.settings.max_staleness, 0, 0
-        for group in pool:
-            if self.settings.stale == "redraw":
-                for member in group.members:
-                    oldest = member.oldest_senior()
-                    if oldest is not None and version - oldest > bound:
-                        member.redraw()
-                        redrawn += 1
-            else:
+    def check_bound(self, shares: Shares, groups: int) -> None:
+        """A carried senior token trains at least one step's updates after it was written: refuse a
+        ``max_staleness`` below what a step of ``groups`` (this rank's) makes, which no carried
+        sequence could meet."""
+        updates = shares.updates(groups)
+        if updates > self.settings.max_staleness:
+            raise ConfigError(
+                f"rollout.partial.max_staleness is {self.settings.max_staleness}, but a step makes {updates} optimiser updates "
+                f"({groups * shares.world} prompt groups in PPO mini-batches of update.mini_batch_size "
+                f"{shares.prompts_per_update}), so a carried token is at least {updates} updates old when it trains: "
+                f"set max_staleness >= {updates}")
+
+    def redraw_stale(self, pool: list[Group], version: int) -> int:
+        """``stale: redraw``: drop what a carried sequence wrote when its oldest senior token is
+        already more than ``max_staleness`` updates behind ``version``. Returns the sequences redrawn."""
+        redrawn = 0
+        if self.settings.stale == "redraw":
+            for member in (m for group in pool for m in group.members):
+                oldest = member.oldest_senior()
+                if oldest is not None and version - oldest > self.settings.max_staleness:
+                    member.redraw()
+                    redrawn += 1
+        return redrawn
+
+    def mark_must_finish(self, pool: list[Group], version: int, updates: int) -> int:
+        """``stale: correct``: a group holding a senior token that would exceed ``max_staleness``
+        were it carried once more (past this step's ``updates``) must finish and train in this phase.
+        Returns the sequences that must finish."""
+        finishing = 0
+        if self.settings.stale == "correct":
+            for group in pool:
                 oldest = group.oldest_senior()
-                group.must_finish = oldest is not None and version + 1 - oldest > bound
+                group.must_finish = oldest is not None and version + updates - oldest > self.settings.max_staleness
                 finishing += sum(m.done is None for m in group.members) if group.must_finish else 0
-        return redrawn, finishing
+        return finishing
 
     def decode(self, phase: RolloutPhase, engine, pool: list[Group], trained: int, policy: HandoffPolicy,
                version: int, counts: PhaseCounts) -> None:
