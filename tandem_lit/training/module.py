@@ -24,7 +24,6 @@ import lightning as L
 import torch
 from torch import nn
 
-from tandem_lit.errors import ConfigError
 from tandem_lit.evaluation.metrics import JargonDetector
 from tandem_lit.evaluation.steps import EvaluationSteps
 from tandem_lit.models import LoraSettings, ModelSource
@@ -69,9 +68,8 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         handoff: Who writes each span of a training rollout (SoloHandoff: plain RL).
         junior: The frozen partner (None only with SoloHandoff(author='senior')).
         lora: Train LoRA adapters instead of full weights.
-        engine: Rollout engine (default: FastEngine when it supports the architecture, else
-            HFEngine, with a warning; the choice is logged as the ``engine`` hyperparameter). Its
-            ``rollout_dtype`` decides the senior's rollout copy (default: bf16 on a GPU).
+        engine: Rollout engine (default: FastEngine where it supports the architecture, else HFEngine,
+            with a warning; logged as the ``engine`` hyperparameter, with its ``rollout_dtype``)
         optimizer: Optimizer factory (default AdamW, lr 1e-6, no weight decay).
         rollout: Sampling, sequences per engine call, prompt formats, prompt filters.
         update: Mini-/micro-batches, clipping, overlong completions, low-precision weights.
@@ -119,8 +117,7 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         self._test_tallies: dict = {}  # eval set name -> DatasetTally, during `tandem-lit test`
         self.run_id: str | None = None  # set when fit starts; kept by checkpoints across resumes
         self.senior = self.junior = self.reference = None  # (nn.Module, once configure_model or bind_models ran)
-        # every logged metric row, for plots and summaries. (No save_hyperparameters: the resolved
-        # config.yaml is the record of a run, and LightningCLI would rebuild the module from it.)
+        # every logged metric row, for plots and summaries (no save_hyperparameters: a run's config.yaml is its record)
         self.history: list[dict[str, float]] = []
 
     @property
@@ -136,17 +133,15 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         if self.senior is not None:
             return
         mesh = getattr(self, "_device_mesh", None)  # set by FSDP2Strategy (trainer.strategy: fsdp)
+        fitting = self._trainer is None or self._trainer.state.fn in (None, "fit")
         loaded = load_run_models(
             self.senior_source, self.junior_source, self.lora,
             # (test, validate and predict train nothing: a bf16 senior is what they should decode)
-            self.update_settings.allow_low_precision_weights or not self.fitting(),
+            self.update_settings.allow_low_precision_weights or not fitting,
             self.memory.gradient_checkpointing, self.objective.uses_reference, mesh,
             mesh is not None and str(self.trainer.precision).startswith("bf16"))
         self.reference = loaded.reference
         self.bind_models(loaded.senior, loaded.junior, loaded.tokenizer, loaded.junior_tokenizer)
-
-    def fitting(self) -> bool:
-        return self._trainer is None or self._trainer.state.fn in (None, "fit")
 
     def bind_models(self, senior: nn.Module, junior: nn.Module | None, tokenizer, junior_tokenizer=None) -> None:
         """The loaded models and tokenizers, bound once to the phases (the engine: the configured
@@ -158,31 +153,17 @@ class TandemModule(EvaluationSteps, L.LightningModule):
         # the update scores tokens over what the engine samples from
         self.updates.bind(senior, self.reference, self.manual_backward, self.engine.sampled_vocab(tokenizer))
 
-    def log_engine(self) -> None:
-        for logger in self.loggers:
-            logger.log_hyperparams(self.rollouts.engine_params())
-
     memory_estimate = estimate_module_memory  # the step's memory per GPU (memory.py)
 
     def configure_optimizers(self):
-        params = [p for p in self.senior.parameters() if p.requires_grad]
-        if self.optimizer_factory is None:
-            return torch.optim.AdamW(params, lr=1e-6, weight_decay=0.0)
-        try:
-            return self.optimizer_factory(params)
-        except ValueError as err:  # torch.optim's argument checks (a negative lr, betas outside [0, 1))
-            raise ConfigError(
-                f"the optimizer refused its settings: {err}. Fix model.init_args.optimizer.init_args "
-                "(--print_config shows them)."
-            ) from None
+        return self.updates.make_optimizer(self.optimizer_factory)
 
     def on_fit_start(self) -> None:
         self.updates.check_group_size()
         preflight.check(self, "fit")
         if self.trainer.world_size > 1:
-            sampling = self.rollout_settings.dynamic_sampling
             check_several_processes(self.senior, self.trainer, self.update_settings.mini_batch_size,
-                                    sampling.prompts_per_step if sampling is not None else None)
+                                    self.rollout_settings.kept_prompts_per_step)
         self.run_id = start_run_record(self.trainer, self.run_id)
         if self.trainer.is_global_zero:
             log.info(checkpoints.models_line(self.senior, self.junior, self.lora))
@@ -215,41 +196,46 @@ class TandemModule(EvaluationSteps, L.LightningModule):
             self.rollouts.policy_moved(int(update["updates"]))
         row = self.metrics.row(result, rollout_stats, update, self.rollouts.timing, self.tokenizer, skipped, offload_seconds,
                                self.device, world)
-        self.log_dict(row, batch_size=len(batch), logger=False)  # for callbacks (monitor, progress bar)
-        if result is not None:
-            self.log("reward", row["train/reward_mean"], prog_bar=True, batch_size=len(batch), logger=False)
-            self.write_completions(result, "train")
-        self.log_metrics_at_update(row)
+        self.log_step(row, result, len(batch))
         if hasattr(batch, "mark_consumed"):  # before ModelCheckpoint saves, in on_train_batch_end
             batch.mark_consumed()
 
+    def log_step(self, row: dict[str, float], result, batch_size: int) -> None:
+        self.log_dict(row, batch_size=batch_size, logger=False)  # for callbacks (monitor, progress bar)
+        if result is not None:
+            self.log("reward", row["train/reward_mean"], prog_bar=True, batch_size=batch_size, logger=False)
+            self.write_completions(result, "train")
+        self.log_metrics_at_update(row)
+
+    def check_before(self, stage: str) -> None:
+        preflight.check(self, stage)
+        self.log_engine()
+
+    def log_engine(self) -> None:  # the engine and its rollout dtype, as hyperparameters
+        for logger in self.loggers:
+            logger.log_hyperparams(self.rollouts.engine_params())
+
     def on_validation_start(self) -> None:
         if self.trainer.state.fn == "validate":  # (fit checked its validation in on_fit_start)
-            preflight.check(self, "validate")
-            self.log_engine()
+            self.check_before("validate")
 
     def on_test_start(self) -> None:
-        preflight.check(self, "test")
-        self.log_engine()
+        self.check_before("test")
 
     def on_predict_start(self) -> None:
-        preflight.check(self, "predict")
-        self.log_engine()
+        self.check_before("predict")
 
     # ------------------------------------------------------------------ checkpoints and logging
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoints.keep_trainable(self.senior, checkpoint, self.history, self.run_id)
-        if self.rollouts.in_flight is not None:  # carried groups' rows: redrawn when the run resumes
-            checkpoint["tandem_lit_partial"] = self.rollouts.in_flight.state_dict()
+        self.rollouts.save_carry(checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoints.check_trainable(self.senior, checkpoint)
         self.history = list(checkpoint.get("tandem_lit", {}).get("history", []))
         self.run_id = checkpoint.get("tandem_lit", {}).get("run_id") or self.run_id
-        self.rollouts.policy_moved()  # the loaded weights reach the engine's copy before the next rollout
-        if self.rollouts.in_flight is not None:
-            self.rollouts.in_flight.load_state_dict(checkpoint.get("tandem_lit_partial", {}))
+        self.rollouts.loaded(checkpoint)
 
     def log_metrics_at_update(self, row: dict[str, float]) -> None:
         """Log a row at x = optimiser updates so far (0 = before training), the x of every plot,

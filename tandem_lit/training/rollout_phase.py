@@ -117,6 +117,19 @@ class RolloutPhase:
         is refreshed before the next rollout."""
         self.policy_version += updates
 
+    def save_carry(self, checkpoint: dict[str, Any]) -> None:
+        """Partial rollouts: the carried groups' rows and seeds into a checkpoint (what they wrote is
+        not saved: a resumed run draws them again, first)."""
+        if self.in_flight is not None:
+            checkpoint["tandem_lit_partial"] = self.in_flight.state_dict()
+
+    def loaded(self, checkpoint: dict[str, Any]) -> None:
+        """A checkpoint's weights were loaded: they reach the engine's copy before the next rollout,
+        and the carried groups it saved are in flight again."""
+        self.policy_moved()
+        if self.in_flight is not None:
+            self.in_flight.load_state_dict(checkpoint.get("tandem_lit_partial", {}))
+
     def release(self) -> None:
         """Free the engine's caches until the next rollout (the update's activations get their memory)."""
         if self._engine_device is not None:

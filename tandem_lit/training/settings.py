@@ -160,7 +160,9 @@ class PartialRollouts:
             At least the data batch; the surplus is what a phase carries over. The first steps
             train fewer groups until that many are in flight.
         max_staleness: The most optimiser updates a trained senior token may be behind the
-            weights its step updates (>= 1; 0 would be synchronous: leave ``partial`` unset).
+            weights its step updates (>= 1; 0 would be synchronous: leave ``partial`` unset). A
+            step makes one update per PPO mini-batch, and a carried token trains at least one
+            step's updates after it was written: a bound below them is refused.
         stale: What happens to a carried sequence that would exceed ``max_staleness``:
             ``correct`` finishes it in this phase (the phase waits for it) under the new policy,
             its stale tokens corrected; ``redraw`` drops what it wrote and draws it again from its
@@ -315,6 +317,11 @@ class RolloutSettings:
             raise ConfigError(f"rollout.batch_size must be >= 1 sequence, got {self.batch_size}")
         if self.partial is not None and self.dynamic_sampling is not None:
             raise ConfigError("rollout.partial and rollout.dynamic_sampling cannot be combined: set one of them")
+
+    @property
+    def kept_prompts_per_step(self) -> int | None:
+        """With dynamic sampling, the prompt groups a step keeps (the data batch is only their pool); else None."""
+        return self.dynamic_sampling.prompts_per_step if self.dynamic_sampling is not None else None
 
 
 @dataclass

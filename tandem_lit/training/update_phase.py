@@ -160,6 +160,19 @@ class UpdatePhase:
             if model is not None:
                 without_dropout(model)
 
+    def make_optimizer(self, factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None) -> torch.optim.Optimizer:
+        """The optimiser over the senior's trainable parameters: ``factory``'s (the config's
+        ``optimizer``), else AdamW at lr 1e-6 without weight decay. torch.optim's checks of its
+        arguments (a negative lr, betas outside [0, 1)) end in one line."""
+        params = [p for p in self.senior.parameters() if p.requires_grad]
+        if factory is None:
+            return torch.optim.AdamW(params, lr=1e-6, weight_decay=0.0)
+        try:
+            return factory(params)
+        except ValueError as err:
+            raise ConfigError(f"the optimizer refused its settings: {err}. Fix model.init_args.optimizer.init_args "
+                              "(--print_config shows them).") from None
+
     def check_group_size(self) -> None:
         """A group-relative objective needs several rollouts per prompt (checked when fit starts)."""
         if self.objective.group_relative and self.sampling.n < 2:
