@@ -27,6 +27,7 @@ PAGE = ROOT / "docs" / "performance.md"
 FORMATS = {
     "tok/s": lambda v: f"{v:,.0f}",
     "s": lambda v: f"{v:.1f} s",
+    "ms": lambda v: f"{v:.1f} ms",
     "GiB": lambda v: f"{v:.1f} GiB",
     "%": lambda v: f"{100 * v:.1f}%",
     "int": lambda v: f"{v:,.0f}",
