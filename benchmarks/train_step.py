@@ -176,6 +176,11 @@ def build_module(model_args: dict, arm: str, args, root: Path):
         kept = {k: v for k, v in (engine.get("init_args") or {}).items() if k not in ("kv_cache_gib", "kv_cache_tokens")}
         pool = {"kv_cache_gib": args.kv_cache_gib} if args.kv_cache_gib else {}
         init["engine"] = dict(engine, init_args=dict(kept, kv_cache=args.kv_cache, **pool))
+    if args.kv_cache_dtype and arm != "grpo-vllm":  # FastEngine's cache element type (fp8: 8-bit keys and values)
+        engine = init.get("engine") or {"class_path": "FastEngine"}
+        if not engine["class_path"].endswith("FastEngine"):
+            raise SystemExit(f"--kv-cache-dtype sets FastEngine's cache dtype; the {arm} arm runs {engine['class_path']}")
+        init["engine"] = dict(engine, init_args=dict(engine.get("init_args") or {}, kv_cache_dtype=args.kv_cache_dtype))
     evaluation = init["evaluation"] = dict(init.get("evaluation") or {}, at_start=False, modes=["senior"])
     init["logging"] = dict(init.get("logging") or {}, completions_every_n_steps=0)
     if partial:  # partial rollouts: more prompt groups in flight than a step trains
@@ -681,6 +686,8 @@ def main() -> None:
                              "use, the pool sized by the memory plan, so --rollout-batch-size can grow")
     parser.add_argument("--kv-cache-gib", type=float, default=None,
                         help="with --kv-cache paged: the pool's size (default: what the memory plan finds free)")
+    parser.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8"],
+                        help="FastEngine's kv_cache_dtype (default: the config's); fp8: keys and values in 8 bits")
     parser.add_argument("--devices", type=int, default=1, help="processes (GPUs); > 1 needs --strategy fsdp")
     parser.add_argument("--strategy", default=None, choices=["fsdp"], help="fsdp: tandem_lit.training.distributed.FSDP2Strategy")
     parser.add_argument("--pack-sequences", action=argparse.BooleanOptionalAction, default=None,

@@ -174,7 +174,7 @@ class RolloutEngine(ABC):
     - read: ``senior`` (what the engine decodes: its rollout copy, or the trained model when that
       needs no conversion), ``trained_senior`` (the model the optimiser updates), ``junior``,
       ``tokenizer``, ``eos_token_ids``, ``pad_token_id``, ``sampled_vocab``, ``queues_rows``,
-      ``needs_partner_prompts``, ``pauses``, ``rollout_dtype``, ``kv_pool_size``.
+      ``needs_partner_prompts``, ``pauses``, ``rollout_dtype``, ``kv_pool_size``, ``kv_cache_bytes``.
 
     ``rollout_dtype``: ``auto`` (bf16 on a GPU that has it, else the trained weights' dtype),
     ``bfloat16``, ``float16``, ``float32``, or ``live`` (always decode the trained weights in place).
@@ -221,6 +221,11 @@ class RolloutEngine(ABC):
     def prefill_size(self) -> int | None:
         """Padded positions one prefill holds in staging caches beside the engine's own, for the
         memory plan; None: the engine prefills into its caches directly."""
+        return None
+
+    def kv_cache_bytes(self) -> int | None:
+        """Bytes of one cached key or value element, for the memory plan; None: the decoded
+        model's own dtype (``FastEngine(kv_cache_dtype="fp8")``: 1)."""
         return None
 
     def plan_kv_cache(self, budget: KVBudget) -> str | None:

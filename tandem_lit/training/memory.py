@@ -178,6 +178,7 @@ class StepSettings:
     prefill_tokens: int | None = None  # padded positions of one engine prefill into staging caches; None: not counted
     fused_swiglu: bool = False  # Liger's SwiGLU in the training forward (``memory.fused_kernels``)
     allocator_slack: float = 0.0  # of the rollout phase (``ALLOCATOR_SLACK`` for a run's estimate)
+    kv_bytes: int | None = None  # bytes of a cached key/value element (None: each decoded model's own)
 
 
 @dataclass
@@ -264,10 +265,12 @@ def estimate_step_memory(senior: ModelShape, junior: ModelShape | None, settings
         "reference": senior.params * senior.param_bytes if s.reference_copy else 0,
         "overhead": FIXED_OVERHEAD,
     }
-    per_token = senior.kv_bytes_per_token(s.rollout_bytes) + (junior.kv_bytes_per_token(s.junior_bytes) if junior else 0)
+    # the pool's bytes per position, and a prefill's staging caches' (always the models' own dtype)
+    per_token = senior.kv_bytes_per_token(s.kv_bytes or s.rollout_bytes) + (junior.kv_bytes_per_token(s.kv_bytes or s.junior_bytes) if junior else 0)
+    staging = senior.kv_bytes_per_token(s.rollout_bytes) + (junior.kv_bytes_per_token(s.junior_bytes) if junior else 0)
     tokens = s.kv_pool_tokens if s.kv_pool_tokens is not None else s.rollout_sequences * s.sequence_tokens
     rollout = dict(common, **{"KV caches": tokens * per_token, "optimizer state": 0 if s.offload_optimizer else state},
-                   **prefill_and_decode(senior, junior, s, per_token))
+                   **prefill_and_decode(senior, junior, s, staging))
     slack = sum(v for k, v in rollout.items() if k != "overhead")
     rollout["allocator slack"] = int(s.allocator_slack * slack)
     compute = 2 if s.mixed_precision else senior.trainable_bytes or senior.param_bytes
@@ -375,6 +378,7 @@ def estimate_module_memory(module, prompts_per_step: int | None = None, mixed_pr
         "mixed" in str(getattr(trainer, "precision", "32")) if mixed_precision is None else mixed_precision,
         decode_dtype, *module.engine.kv_pool_size(), world=world or getattr(trainer, "world_size", 1),
         prefill_tokens=module.engine.prefill_size(), fused_kernels=module.updates.fused_kernels,
+        kv_bytes=module.engine.kv_cache_bytes(),
     )
 
 
@@ -396,7 +400,7 @@ def estimate_run_memory(
     senior: nn.Module, junior: nn.Module | None, reference_copy: bool, requested_dtype: str, rollout, update, memory,
     prompts_per_step: int, mixed_precision: bool, decode_dtype: torch.dtype | None = None,
     kv_pool_tokens: int | None = None, kv_pool_gib: float | None = None, world: int = 1,
-    prefill_tokens: int | None = None, fused_kernels: tuple[str, ...] = (),
+    prefill_tokens: int | None = None, fused_kernels: tuple[str, ...] = (), kv_bytes: int | None = None,
 ) -> MemoryEstimate:
     """A training step's memory, per GPU, from the models' shapes and a run's settings
     (``RolloutSettings``, ``UpdateSettings``, ``MemorySettings``); ``decode_dtype`` defaults to the
@@ -405,7 +409,8 @@ def estimate_run_memory(
     caches. ``world``: ranks under FSDP2, each rolling out ``prompts_per_step / world`` prompts.
     ``prefill_tokens``: the engine's prefill size, when it prefills into staging caches (FastEngine).
     ``fused_kernels``: Liger's kernels the update runs (``UpdatePhase.fused_kernels``, known once fit
-    starts; none counts PyTorch's, which save more)."""
+    starts; none counts PyTorch's, which save more). ``kv_bytes``: of a cached key or value element,
+    where the engine caches in its own dtype (``RolloutEngine.kv_cache_bytes``)."""
     from tandem_lit.rollout.weights import needs_copy, rollout_dtype
 
     if decode_dtype is None and requested_dtype != "live":
@@ -438,6 +443,7 @@ def estimate_run_memory(
         prefill_tokens=prefill_tokens,
         allocator_slack=ALLOCATOR_SLACK,
         fused_swiglu="swiglu" in fused_kernels,
+        kv_bytes=kv_bytes,
     )
     estimate = estimate_step_memory(senior_shape, junior_shape, settings)
     if kv_pool_gib is not None:

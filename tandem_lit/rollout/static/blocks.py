@@ -143,17 +143,35 @@ def page_slots(table: Tensor, slot: Tensor, page_size: int) -> Tensor:  # [B, P]
     return page * page_size + slot % page_size
 
 
+FP8_CACHE = torch.float8_e4m3fn  # FastEngine(kv_cache_dtype="fp8"): keys and values in 8 bits, scale 1
+
+
+def to_cache(x: Tensor, cache: Tensor) -> Tensor:
+    """Keys or values in ``cache``'s dtype. An 8-bit cache holds +-448 at most (e4m3, no
+    infinity): larger entries are clamped there rather than turned into NaN."""
+    if cache.dtype == FP8_CACHE:
+        limit = torch.finfo(FP8_CACHE).max
+        return x.clamp(-limit, limit).to(FP8_CACHE)
+    return x.to(cache.dtype)
+
+
+def bits(cache: Tensor) -> Tensor:
+    """An 8-bit cache as its bytes (torch's scatter and indexing kernels take no float8 on every
+    device; moving bytes is the same); any other cache as it is."""
+    return cache.view(torch.uint8) if cache.dtype == FP8_CACHE else cache
+
+
 def write_pages(pool: Tensor, positions: Tensor, values: Tensor) -> None:
     """values [N, KV, D] at flat pool positions [N] (rows past their pages all write the scratch page)."""
     page_size = pool.shape[2]
-    pool[positions // page_size, :, positions % page_size] = values.to(pool.dtype)
+    bits(pool)[positions // page_size, :, positions % page_size] = bits(to_cache(values, pool))
 
 
 def read_pages(pool: Tensor, table: Tensor, kv_len: int) -> Tensor:  # -> [B, KV, kv_len, D]
     """Positions [0, kv_len) of every row, gathered through its table row."""
     kv_heads, page_size, head_dim = pool.shape[1:]
     pages = table[:, : -(-kv_len // page_size)].long()  # [B, n]
-    gathered = pool[pages].transpose(1, 2)  # [B, KV, n, page_size, D]
+    gathered = bits(pool)[pages].view(pool.dtype).transpose(1, 2)  # [B, KV, n, page_size, D]
     return gathered.reshape(table.shape[0], kv_heads, -1, head_dim)[:, :, :kv_len]
 
 
@@ -166,8 +184,8 @@ def store_prompt_kv(k_cache: Tensor, v_cache: Tensor, keys: Tensor, values: Tens
         write_prompt_pages(v_cache, values, placement)
         return
     width = keys.shape[2]
-    k_cache[rows, :, :width] = keys
-    v_cache[rows, :, :width] = values
+    bits(k_cache)[rows, :, :width] = bits(to_cache(keys, k_cache))
+    bits(v_cache)[rows, :, :width] = bits(to_cache(values, v_cache))
 
 
 def write_prompt_pages(pool: Tensor, keys: Tensor, placement: tuple[Tensor, Tensor]) -> None:

@@ -191,6 +191,14 @@ class FastEngine(RolloutEngine):
         prefill_tokens: Padded positions one prefill call holds at most (rows x the longest):
             an admission of more runs as several prefills (resumed sequences prefill their
             responses too, thousands of positions each).
+        kv_cache_dtype: ``auto`` (default): keys and values cached in the decoded model's dtype.
+            ``fp8``: in 8 bits (float8_e4m3fn, scale 1, entries clamped to +-448), as vLLM's
+            ``kv_cache_dtype: fp8``: half the memory per token position, so the pool holds twice
+            the positions, and half the bytes a decode step reads, which at long contexts is most
+            of a step. The rollout's log-probs then differ more from the trainer's (which never
+            rounds its keys): watch ``mismatch_kl`` and ``rollout_logp_gap_*``, and set the
+            objective's ``tis_cap``. Plain attention models only (Llama, Mistral, Qwen2, Qwen3),
+            not Qwen3.5's hybrid layers.
     """
 
     queues_rows = True
@@ -212,6 +220,7 @@ class FastEngine(RolloutEngine):
         refill: Literal["amortized", "eager"] = "amortized",
         prefill_tokens: int = 16384,
         overlap_prefill: Literal["on", "off"] = "off",
+        kv_cache_dtype: Literal["auto", "fp8"] = "auto",
     ):
         if refill not in ("amortized", "eager"):
             raise ConfigError(f"refill must be 'amortized' or 'eager', got {refill!r}")
@@ -222,6 +231,9 @@ class FastEngine(RolloutEngine):
         if overlap_prefill not in ("on", "off"):
             raise ConfigError(f"overlap_prefill must be 'on' or 'off', got {overlap_prefill!r}")
         self.overlap_prefill = overlap_prefill
+        if kv_cache_dtype not in ("auto", "fp8"):
+            raise ConfigError(f"kv_cache_dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
+        self.kv_cache_dtype = kv_cache_dtype
         check_kv_cache(kv_cache, kv_page_size, kv_cache_tokens, kv_cache_gib)
         self.kv_cache, self.kv_page_size = kv_cache, kv_page_size
         self.kv_cache_tokens, self.kv_cache_gib = kv_cache_tokens, kv_cache_gib
@@ -243,6 +255,12 @@ class FastEngine(RolloutEngine):
             self.models["junior"] = decoder_model(junior)
             if self.models["junior"].device != self.models["senior"].device:
                 raise ConfigError("FastEngine needs the senior and junior on the same device")
+        if self.kv_cache_dtype == "fp8":
+            for name, model in self.models.items():
+                if not isinstance(model, StaticDecoderModel):
+                    raise ConfigError(f"FastEngine(kv_cache_dtype='fp8') caches plain attention layers only; the {name} is "
+                                      f"{model.config.model_type} (hybrid attention): use kv_cache_dtype: auto")
+                model.cache_dtype = torch.float8_e4m3fn
         self._batch: _Batch | None = None
         self._decoders: dict[tuple, TandemDecoder] = {}
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
@@ -290,6 +308,9 @@ class FastEngine(RolloutEngine):
 
     def prefill_size(self) -> int | None:
         return self.prefill_tokens
+
+    def kv_cache_bytes(self) -> int | None:
+        return 1 if self.kv_cache_dtype == "fp8" else None
 
     def release(self) -> None:
         """Free the KV caches, buffers and captured graphs (re-allocated and re-captured by the

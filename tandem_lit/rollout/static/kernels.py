@@ -81,12 +81,21 @@ def _norm_rope(x1, x2, w_ptr, offs, mask, half, d, eps, c1, c2, s1, s2, HAS_NORM
 
 
 @triton.jit
+def _to_cache(x, cache_ptr, FP8: tl.constexpr):
+    """Keys or values into the dtype of the cache at ``cache_ptr``: an 8-bit (e4m3) cache clamps
+    to its +-448 first (it has no infinity), as ``blocks.to_cache`` does on the torch path."""
+    if FP8:
+        x = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
+    return x.to(cache_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _rope_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, k_cache_ptr, v_cache_ptr, valid_ptr,
     q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, table_ptr,
     heads, group, d, eps, scale, q_sb, k_sb, v_sb, cache_sb, cache_sh, cache_ss, valid_sb, table_sb,
     HAS_NORM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr,
-    PRECISION: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
+    PRECISION: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -120,10 +129,15 @@ def _rope_attention_kernel(
     else:
         cache = b * cache_sb + kvh * cache_sh
         new = cache + slot * cache_ss + offs
+    # the new token's K/V as the cache holds them (an 8-bit cache: rounded, and attended to so, as
+    # the torch path reads it back)
+    k1, k2 = _to_cache(k1, k_cache_ptr, FP8), _to_cache(k2, k_cache_ptr, FP8)
+    v1, v2 = _to_cache(v1, v_cache_ptr, FP8), _to_cache(v2, v_cache_ptr, FP8)
     tl.store(k_cache_ptr + new, k1, mask=mask)
     tl.store(k_cache_ptr + new + half, k2, mask=mask)
     tl.store(v_cache_ptr + new, v1, mask=mask)
     tl.store(v_cache_ptr + new + half, v2, mask=mask)
+    k1, k2, v1, v2 = k1.to(dtype), k2.to(dtype), v1.to(dtype), v2.to(dtype)
     # online softmax, seeded with the new token (always attendable) from registers
     m = (tl.sum(q1.to(tl.float32) * k1.to(tl.float32), axis=1)
          + tl.sum(q2.to(tl.float32) * k2.to(tl.float32), axis=1)) * scale  # [G]
@@ -142,8 +156,8 @@ def _rope_attention_kernel(
         else:
             tile = n[:, None] * cache_ss + offs
         tile_mask = in_range[:, None] & mask
-        kt1 = tl.load(keys + tile, mask=tile_mask, other=0.0)
-        kt2 = tl.load(keys + tile + half, mask=tile_mask, other=0.0)
+        kt1 = tl.load(keys + tile, mask=tile_mask, other=0.0).to(dtype)
+        kt2 = tl.load(keys + tile + half, mask=tile_mask, other=0.0).to(dtype)
         scores = (tl.dot(q1, tl.trans(kt1), input_precision=PRECISION)
                   + tl.dot(q2, tl.trans(kt2), input_precision=PRECISION)).to(tl.float32) * scale
         scores = tl.where(ok[None, :], scores, float("-inf"))
@@ -151,8 +165,8 @@ def _rope_attention_kernel(
         p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m - m_new)
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        vt1 = tl.load(values + tile, mask=tile_mask, other=0.0)
-        vt2 = tl.load(values + tile + half, mask=tile_mask, other=0.0)
+        vt1 = tl.load(values + tile, mask=tile_mask, other=0.0).to(dtype)
+        vt2 = tl.load(values + tile + half, mask=tile_mask, other=0.0).to(dtype)
         acc1 = acc1 * alpha[:, None] + tl.dot(p.to(vt1.dtype), vt1, input_precision=PRECISION).to(tl.float32)
         acc2 = acc2 * alpha[:, None] + tl.dot(p.to(vt2.dtype), vt2, input_precision=PRECISION).to(tl.float32)
         m = m_new
@@ -174,7 +188,9 @@ def rope_attention(
     [S, D], position [B], slot [B] (each row's own), caches [Bcap, KV, S, D], valid [Bcap, S] bool -> [B, H*D].
     Paged: caches are pools [pages, KV, page_size, D] (the slot layout with positions cut into
     pages) and ``table`` [Bcap, S / page_size] int32 maps each row's slot ``s`` to position
-    ``s % page_size`` of pool page ``table[row, s // page_size]``.
+    ``s % page_size`` of pool page ``table[row, s // page_size]``. The caches may be 8-bit
+    (float8_e4m3fn, ``FastEngine(kv_cache_dtype="fp8")``): written clamped and rounded, read widened
+    to q's dtype.
     """
     batch = q.shape[0]
     if block_n is None or num_warps is None:
@@ -194,6 +210,7 @@ def rope_attention(
         HALF=max(16, triton.next_power_of_2(head_dim // 2)),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
         PAGED=table is not None, PAGE=k_cache.shape[2] if table is not None else 1,
+        FP8=k_cache.dtype == torch.float8_e4m3fn,
     )
     return out
 

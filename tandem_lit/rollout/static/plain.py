@@ -12,6 +12,7 @@ from tandem_lit.errors import ConfigError
 from tandem_lit.rollout.static.blocks import (
     Fused,
     Linear,
+    bits,
     eps_of,
     layer_cache,
     norm,
@@ -20,6 +21,7 @@ from tandem_lit.rollout.static.blocks import (
     read_pages,
     rotate_half,
     store_prompt_kv,
+    to_cache,
     write_pages,
 )
 
@@ -80,6 +82,7 @@ class StaticDecoderModel:
         self.scaling = self.head_dim**-0.5
         weight = self.embed.weight
         self.device, self.dtype = weight.device, weight.dtype
+        self.cache_dtype = self.dtype  # the KV caches' (FastEngine's kv_cache_dtype: fp8 sets 8 bits)
         self.k_cache: list[Tensor] = []  # per layer: [B, KV, S, D] slots, or a [pages, KV, page_size, D] pool
         self.v_cache: list[Tensor] = []
         self.page_size = 0  # 0: one cache row per decode row (slots); else the paged pool's page
@@ -114,7 +117,7 @@ class StaticDecoderModel:
             layer.sync()
 
     def kv_bytes_per_token(self) -> int:
-        return len(self.layers) * 2 * self.kv_heads * self.head_dim * self.dtype.itemsize
+        return len(self.layers) * 2 * self.kv_heads * self.head_dim * self.cache_dtype.itemsize
 
     def allocate(self, batch: int, length: int, pages: int = 0, page_size: int = 0) -> None:
         """Static caches for ``batch`` sequences of up to ``length`` tokens (``pages`` > 0: a paged
@@ -127,8 +130,8 @@ class StaticDecoderModel:
         self.free()  # the old caches go before the new ones are allocated
         self.page_size = page_size if pages else 0
         shape = (pages if pages else batch, self.kv_heads, page_size if pages else length, self.head_dim)
-        self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
-        self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.k_cache = [torch.zeros(shape, dtype=self.cache_dtype, device=self.device) for _ in self.layers]
+        self.v_cache = [torch.zeros(shape, dtype=self.cache_dtype, device=self.device) for _ in self.layers]
         probe = torch.zeros(1, 1, self.head_dim, dtype=self.dtype, device=self.device)
         positions = torch.arange(length, device=self.device).unsqueeze(0)
         cos, sin = self.rotary(probe, positions)
@@ -173,7 +176,7 @@ class StaticDecoderModel:
         if self.page_size:
             return
         for cache in (*self.k_cache, *self.v_cache):
-            cache[: len(sources)] = cache[sources]
+            bits(cache)[: len(sources)] = bits(cache)[sources]
 
     def decode(self, token: Tensor, position: Tensor, slot: Tensor, valid: Tensor, kv_len: int, triton: bool,
                table: Tensor | None = None) -> Tensor:
@@ -209,13 +212,14 @@ class StaticDecoderModel:
             k = k * cos + rotate_half(k) * sin
             if table is None:
                 k_cache, v_cache = self.k_cache[i][:batch], self.v_cache[i][:batch]
-                k_cache.scatter_(2, at_slot, k.unsqueeze(2))
-                v_cache.scatter_(2, at_slot, v.unsqueeze(2))
+                bits(k_cache).scatter_(2, at_slot, bits(to_cache(k, k_cache)).unsqueeze(2))
+                bits(v_cache).scatter_(2, at_slot, bits(to_cache(v, v_cache)).unsqueeze(2))
                 keys, values = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]  # [B, KV, S, D]
             else:
                 write_pages(self.k_cache[i], at_page, k)
                 write_pages(self.v_cache[i], at_page, v)
                 keys, values = read_pages(self.k_cache[i], table, kv_len), read_pages(self.v_cache[i], table, kv_len)
+            keys, values = keys.to(self.dtype), values.to(self.dtype)  # (an 8-bit cache's entries, widened)
             q = q.view(batch, self.kv_heads, group, self.head_dim)
             scores = torch.matmul(q, keys.transpose(-1, -2)) * self.scaling + mask  # [B, KV, G, S]
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(self.dtype)
