@@ -139,3 +139,19 @@ def test_tandem_lit_fit_trains_with_an_8_bit_cache_and_logs_its_gap(tmp_path):
     rows = [json.loads(line) for line in (root / "history.jsonl").read_text().splitlines()]
     (step,) = [row for row in rows if "train/loss" in row]
     assert 0 < step["train/rollout_logp_gap_mean"] < 0.05 and step["train/mismatch_kl"] > 0
+
+
+def test_the_triton_kernel_writes_reads_and_widens_an_8_bit_cache_under_the_interpreter(repo_root):
+    """The decode attention kernel over 8-bit slot and paged caches, run by Triton's CPU interpreter
+    (tests/interpret_fp8_attention.py): the new token stored where and as torch stores it, the
+    output that of attention written out in torch. A GPU compiles the same kernel
+    (test_the_triton_kernels_round_the_cache_as_the_torch_path_does)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    run = subprocess.run([sys.executable, "tests/interpret_fp8_attention.py"], cwd=repo_root, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(repo_root)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert float(run.stdout.split("largest error")[1]) < 1e-5

@@ -84,8 +84,9 @@ def _norm_rope(x1, x2, w_ptr, offs, mask, half, d, eps, c1, c2, s1, s2, HAS_NORM
 def _to_cache(x, cache_ptr, FP8: tl.constexpr):
     """Keys or values into the dtype of the cache at ``cache_ptr``: an 8-bit (e4m3) cache clamps
     to its +-448 first (it has no infinity), as ``blocks.to_cache`` does on the torch path."""
-    if FP8:
+    if FP8:  # rounded to nearest, ties to even, as torch's conversion rounds
         x = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
+        return x.to(cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
     return x.to(cache_ptr.dtype.element_ty)
 
 
