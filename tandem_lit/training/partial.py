@@ -169,15 +169,18 @@ class InFlight:
             self.check_bound(shares, len(mine))
         base = max(1, min(len(mine), len(pool) - carry)) if pool else 0
         counts.redrawn = self.redraw_stale(pool, version)
-        trained = base
-        while True:  # groups that must finish train now; more trained groups make more updates, nearing the bound
+        # every rank trains as many groups (their pools are as large), so every rank takes the same
+        # turns of this loop: groups that must finish train now, and more trained groups make more
+        # updates, which brings other groups' bound nearer
+        trained = max_over_ranks(base, shares.device) if shares.world > 1 else base
+        while True:
             counts.finished_stale = self.mark_must_finish(pool, version, shares.updates(trained))
-            need = max(base, sum(g.must_finish for g in pool))
-            if need <= trained:
+            need = max(trained, sum(g.must_finish for g in pool))
+            if shares.world > 1:
+                need = max_over_ranks(need, shares.device)
+            if need == trained:
                 break
             trained = need
-        if shares.world > 1:  # every rank trains as many groups (their pools are as large)
-            trained = max_over_ranks(trained, shares.device)
         trained = min(trained, len(pool))
         counts.resumed = sum(1 for g in pool for m in g.members if m.done is None and m.written > 0)
         self.decode(phase, engine, pool, trained, policy, version, counts)
