@@ -112,6 +112,7 @@ def model_folder(hub_name: str, tokenizer: str, root: Path) -> str:
 
 
 PARTIAL = "+partial"  # an arm's name with this suffix: the same arm with rollout.partial (--partial)
+FP8 = "+fp8"  # ... and with this one (last): with FastEngine's 8-bit KV cache (--compare-fp8)
 
 
 def build_module(model_args: dict, arm: str, args, root: Path):
@@ -124,6 +125,7 @@ def build_module(model_args: dict, arm: str, args, root: Path):
     import tandem_lit.rollout  # noqa: F401
     from tandem_lit.training.module import TandemModule
 
+    fp8, arm = arm.endswith(FP8), arm.removesuffix(FP8)
     partial, arm = arm.endswith(PARTIAL), arm.removesuffix(PARTIAL)
     init = copy.deepcopy(model_args)
     init.pop("verifier")
@@ -176,11 +178,12 @@ def build_module(model_args: dict, arm: str, args, root: Path):
         kept = {k: v for k, v in (engine.get("init_args") or {}).items() if k not in ("kv_cache_gib", "kv_cache_tokens")}
         pool = {"kv_cache_gib": args.kv_cache_gib} if args.kv_cache_gib else {}
         init["engine"] = dict(engine, init_args=dict(kept, kv_cache=args.kv_cache, **pool))
-    if args.kv_cache_dtype and arm != "grpo-vllm":  # FastEngine's cache element type (fp8: 8-bit keys and values)
+    kv_dtype = "fp8" if fp8 else args.kv_cache_dtype
+    if kv_dtype and arm != "grpo-vllm":  # FastEngine's cache element type (fp8: 8-bit keys and values)
         engine = init.get("engine") or {"class_path": "FastEngine"}
         if not engine["class_path"].endswith("FastEngine"):
             raise SystemExit(f"--kv-cache-dtype sets FastEngine's cache dtype; the {arm} arm runs {engine['class_path']}")
-        init["engine"] = dict(engine, init_args=dict(engine.get("init_args") or {}, kv_cache_dtype=args.kv_cache_dtype))
+        init["engine"] = dict(engine, init_args=dict(engine.get("init_args") or {}, kv_cache_dtype=kv_dtype))
     evaluation = init["evaluation"] = dict(init.get("evaluation") or {}, at_start=False, modes=["senior"])
     init["logging"] = dict(init.get("logging") or {}, completions_every_n_steps=0)
     if partial:  # partial rollouts: more prompt groups in flight than a step trains
@@ -688,6 +691,9 @@ def main() -> None:
                         help="with --kv-cache paged: the pool's size (default: what the memory plan finds free)")
     parser.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8"],
                         help="FastEngine's kv_cache_dtype (default: the config's); fp8: keys and values in 8 bits")
+    parser.add_argument("--compare-fp8", action="store_true",
+                        help="also run each arm with FastEngine's 8-bit KV cache (arm+fp8) and print the ratio of its rollout "
+                             "time, decode step and mismatch_kl to the arm's")
     parser.add_argument("--devices", type=int, default=1, help="processes (GPUs); > 1 needs --strategy fsdp")
     parser.add_argument("--strategy", default=None, choices=["fsdp"], help="fsdp: tandem_lit.training.distributed.FSDP2Strategy")
     parser.add_argument("--pack-sequences", action=argparse.BooleanOptionalAction, default=None,
@@ -764,6 +770,8 @@ def main() -> None:
               f"tokens; lora={args.lora or (model_args.get('lora') or {}).get('r')}")  # --lora's rank, or the config's
         arms = [name for arm in args.arms
                 for name in ((arm + PARTIAL,) if args.partial_only else (arm, arm + PARTIAL) if args.partial else (arm,))]
+        if args.compare_fp8:  # each arm as configured, then with the 8-bit cache, one after the other
+            arms = [name for arm in arms for name in (arm, arm + FP8)]
         results = {arm: run_arm(arm, model_args, trainer_args, args, root, bandwidth) for arm in arms}
     if not rank_zero():
         return  # rank 0 writes the results
@@ -773,6 +781,15 @@ def main() -> None:
                               for a in (arm, arm + PARTIAL) for key in ("rollout_seconds",))
             print(f"{arm}_partial_over_today_rollout={partial / today:.2f} (in flight {args.partial}, "
                   f"max_staleness {args.max_staleness}; mean over {args.steps} measured steps)")
+    if args.compare_fp8:
+        for arm in (a for a in results if not a.endswith(FP8)):
+            auto, fp8 = (results[a]["steps"] for a in (arm, arm + FP8))
+            def mean(steps, key):  # over the steps that decoded (a partial step may train carried groups only)
+                values = [s[key] for s in steps if s[key] == s[key]]
+                return sum(values) / len(values) if values else float("nan")
+            print(f"{arm}_fp8_over_auto_rollout={mean(fp8, 'rollout_seconds') / mean(auto, 'rollout_seconds'):.2f} "
+                  f"decode_step={mean(fp8, 'decode_step_ms') / mean(auto, 'decode_step_ms'):.2f} "
+                  f"mismatch_kl {mean(auto, 'mismatch_kl'):.3g} -> {mean(fp8, 'mismatch_kl'):.3g}")
     if args.json:
         Path(args.json).write_text(json.dumps({"config": args.config, "device": name, "bandwidth": bandwidth,
                                                "args": vars(args), "arms": results}, indent=2))

@@ -155,3 +155,20 @@ def test_the_triton_kernel_writes_reads_and_widens_an_8_bit_cache_under_the_inte
                          timeout=300, env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(repo_root)})
     assert run.returncode == 0, run.stderr[-3000:]
     assert float(run.stdout.split("largest error")[1]) < 1e-5
+
+
+def test_the_train_step_benchmark_runs_each_arm_again_with_the_8_bit_cache(repo_root):
+    import os
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "benchmarks/train_step.py", "--device", "cpu", "--tiny", "--arms", "grpo", "--max-new-tokens", "16",
+         "--warmup-steps", "1", "--steps", "1", "--compare-fp8"],
+        cwd=repo_root, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(repo_root)},
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "grpo+fp8 step 1:" in run.stdout
+    ratio = next(line for line in run.stdout.splitlines() if line.startswith("grpo_fp8_over_auto_rollout="))
+    kl = ratio.split("mismatch_kl ")[1].split(" -> ")
+    assert float(kl[0]) == 0 and float(kl[1]) > 0  # float32 rollouts on the CPU: exact, then the rounding's
