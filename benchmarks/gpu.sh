@@ -14,7 +14,7 @@
 set -o pipefail
 cd "$(dirname "$0")/.."
 STAGES="gpu-tests rollout-fixed rollout-fixed-1024 rollout-fixed-qwen35 rollout-lognormal-64 rollout-lognormal-128
-rollout-lognormal-paged rollout-lognormal-qwen35-solo rollout-lognormal-qwen35-tandem step-tandem-fixed step-lognormal
+rollout-lognormal-paged rollout-lognormal-fp8 rollout-lognormal-qwen35-solo rollout-lognormal-qwen35-tandem step-tandem-fixed step-lognormal
 step-grpo-lognormal step-grpo-lognormal-packed step-qlora-fixed step-grpo-config step-grpo-vllm step-qwen35-lora
 step-switch-unrestricted step-partial-lognormal"
 if [ $# -eq 0 ]; then echo "stages:" $STAGES; exit 0; fi
@@ -60,6 +60,10 @@ for name in "$@"; do
       --vllm --vllm-kwargs '{"kv_cache_gib": 60}' --json "$OUT/$name.json";;
     rollout-lognormal-paged) stage "$name" 590 "${ROLLOUT[@]}" --batches 128 --queue 1 --lengths "$LOGNORMAL" \
       --kv-cache slots paged --skip-static --json "$OUT/$name.json";;
+    # FastEngine's 8-bit KV cache against the model's dtype: the 4B pair, 128 lognormal rollouts at once from one
+    # 40 GiB pool (an H100's room; 8 bits hold twice the positions), same run
+    rollout-lognormal-fp8) stage "$name" 590 "${ROLLOUT[@]}" --models qwen3-4b-4b --batches 128 --queue 1 --lengths "$LOGNORMAL" \
+      --kv-cache paged --kv-cache-gib 40 --kv-cache-dtype auto fp8 --skip-static --json "$OUT/$name.json";;
     # the Qwen3.5 9B/2B pair: a step's 128 rollouts, 64 at once, static against continuous, one policy a call
     rollout-lognormal-qwen35-solo|rollout-lognormal-qwen35-tandem) stage "$name" 590 "${ROLLOUT[@]}" --models qwen35-9b-2b \
       --batches 64 --queue 2 --lengths "$LOGNORMAL" --policies "${name##*-}" --json "$OUT/$name.json";;

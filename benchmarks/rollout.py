@@ -336,20 +336,24 @@ def useful_rows(args, part: str) -> list[dict]:
             engine.max_batch = batch
             for layout in args.kv_cache:
                 set_kv_layout(engine, layout, args.kv_cache_gib)
-                for refill in args.refill:
-                    for overlap in args.overlap_prefill:
-                        engine.refill, engine.overlap_prefill = refill, overlap
-                        reset_peak_memory(device)
-                        seconds, out = timed(lambda p, policy=policy: engine.generate(p, policy, sampling), prompts, device, repeats)
-                        keep(row(continuous_name(layout, refill, policy_name, overlap), seconds, out,
-                                 {**engine.last_timing().as_dict(), **peak_memory(device)}))
+                for kv_dtype in args.kv_cache_dtype:
+                    if engine.kv_cache_dtype != kv_dtype:
+                        engine.release()  # the caches are re-allocated in the new dtype
+                        engine.kv_cache_dtype = kv_dtype
+                    for refill in args.refill:
+                        for overlap in args.overlap_prefill:
+                            engine.refill, engine.overlap_prefill = refill, overlap
+                            reset_peak_memory(device)
+                            seconds, out = timed(lambda p, policy=policy: engine.generate(p, policy, sampling), prompts, device, repeats)
+                            keep(row(continuous_name(layout, refill, policy_name, overlap, kv_dtype), seconds, out,
+                                     {**engine.last_timing().as_dict(), **peak_memory(device)}))
         engine.release()  # the next batch size sizes its own caches
     return rows
 
 
-def continuous_name(layout: str, refill: str, policy: str, overlap: str = "off") -> str:
-    return (f"FastEngine continuous{' paged' if layout == 'paged' else ''}{' eager refill' if refill == 'eager' else ''}"
-            f"{' overlapped prefill' if overlap == 'on' else ''}, {policy}")
+def continuous_name(layout: str, refill: str, policy: str, overlap: str = "off", kv_dtype: str = "auto") -> str:
+    return (f"FastEngine continuous{' paged' if layout == 'paged' else ''}{' fp8 KV' if kv_dtype == 'fp8' else ''}"
+            f"{' eager refill' if refill == 'eager' else ''}{' overlapped prefill' if overlap == 'on' else ''}, {policy}")
 
 
 def set_kv_layout(engine: FastEngine, layout: str, gib: float | None) -> None:
@@ -414,7 +418,8 @@ def useful_main(args) -> None:
 
     batch = rows[0]["batch"]
     layout = "slots" if "slots" in args.kv_cache else "paged"
-    continuous = continuous_name(layout, args.refill[0], "", args.overlap_prefill[0])[:-2]
+    kv0 = args.kv_cache_dtype[0]
+    continuous = continuous_name(layout, args.refill[0], "", args.overlap_prefill[0], kv0)[:-2]
     parts = []
     suffix = {"tandem": "", "solo": "_solo"}
     if not args.skip_static:
@@ -425,21 +430,27 @@ def useful_main(args) -> None:
     if set(args.kv_cache) == {"slots", "paged"}:  # every batch size: the layouts' throughput, same run
         for b in sorted({r["batch"] for r in rows}):
             for policy in [p for p in ("tandem", "solo") if p in args.policies]:
-                ratio = (rate(continuous_name("paged", args.refill[0], policy, args.overlap_prefill[0]), b)
-                         / rate(continuous_name("slots", args.refill[0], policy, args.overlap_prefill[0]), b))
+                ratio = (rate(continuous_name("paged", args.refill[0], policy, args.overlap_prefill[0], kv0), b)
+                         / rate(continuous_name("slots", args.refill[0], policy, args.overlap_prefill[0], kv0), b))
                 parts.append(f"paged_over_slots{'' if policy == 'tandem' else '_solo'}_b{b}={ratio:.3f}")
     if set(args.overlap_prefill) == {"on", "off"}:  # prefills beside decode chunks vs waited for, same run
         for b in sorted({r["batch"] for r in rows}):
             for policy in [p for p in ("tandem", "solo") if p in args.policies]:
-                ratio = (rate(continuous_name(layout, args.refill[0], policy, "on"), b)
-                         / rate(continuous_name(layout, args.refill[0], policy, "off"), b))
+                ratio = (rate(continuous_name(layout, args.refill[0], policy, "on", kv0), b)
+                         / rate(continuous_name(layout, args.refill[0], policy, "off", kv0), b))
                 parts.append(f"overlapped_over_waiting_prefill{'' if policy == 'tandem' else '_solo'}_b{b}={ratio:.3f}")
     if set(args.refill) == {"amortized", "eager"}:  # the refill timer's worth, same run
         for b in sorted({r["batch"] for r in rows}):
             for policy in [p for p in ("tandem", "solo") if p in args.policies]:
-                ratio = (rate(continuous_name(layout, "amortized", policy, args.overlap_prefill[0]), b)
-                         / rate(continuous_name(layout, "eager", policy, args.overlap_prefill[0]), b))
+                ratio = (rate(continuous_name(layout, "amortized", policy, args.overlap_prefill[0], kv0), b)
+                         / rate(continuous_name(layout, "eager", policy, args.overlap_prefill[0], kv0), b))
                 parts.append(f"amortized_over_eager_refill{'' if policy == 'tandem' else '_solo'}_b{b}={ratio:.3f}")
+    if set(args.kv_cache_dtype) == {"auto", "fp8"}:  # 8-bit keys and values against the model's dtype, same run
+        for b in sorted({r["batch"] for r in rows}):
+            for policy in [p for p in ("tandem", "solo") if p in args.policies]:
+                ratio = (rate(continuous_name(layout, args.refill[0], policy, args.overlap_prefill[0], "fp8"), b)
+                         / rate(continuous_name(layout, args.refill[0], policy, args.overlap_prefill[0], "auto"), b))
+                parts.append(f"fp8_over_auto_kv{'' if policy == 'tandem' else '_solo'}_b{b}={ratio:.3f}")
     print(" ".join(parts))
 
 
@@ -469,6 +480,8 @@ def main() -> None:
     parser.add_argument("--vllm-kwargs", default="{}", help="JSON keyword arguments of VLLMEngine(...)")
     parser.add_argument("--kv-cache", nargs="+", choices=["slots", "paged"], default=["slots"],
                         help="with --lengths: the KV layouts of the continuous rows, each timed in the same run")
+    parser.add_argument("--kv-cache-dtype", nargs="+", choices=["auto", "fp8"], default=["auto"],
+                        help="FastEngine(kv_cache_dtype=...): continuous rows for each (fp8: 8-bit keys and values)")
     parser.add_argument("--kv-page-size", type=int, default=64, help="positions per page of the paged KV pool")
     parser.add_argument("--kv-cache-gib", type=float, default=None,
                         help="size of the paged pool (default: as large as the slot caches, so nothing is preempted)")

@@ -168,6 +168,20 @@ def test_rollout_benchmark_times_both_refill_rules_in_one_run(repo_root):
     assert all(float(v) > 0 for v in ratios.values())
 
 
+def test_rollout_benchmark_times_both_kv_cache_dtypes_in_one_run(repo_root):
+    run = subprocess.run(
+        [sys.executable, "benchmarks/rollout.py", "--device", "cpu", "--tiny", "--batches", "2", "--queue", "3",
+         "--repeats", "1", "--lengths", "lognormal:median=4,sigma=0.8,cap=8", "--kv-cache", "paged",
+         "--kv-cache-dtype", "auto", "fp8", "--skip-static"],
+        cwd=repo_root, capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "FastEngine continuous paged fp8 KV, tandem" in run.stdout and "FastEngine continuous paged, tandem" in run.stdout
+    ratios = dict(part.split("=") for part in run.stdout.strip().splitlines()[-1].split())
+    assert set(ratios) == {"fp8_over_auto_kv_b2", "fp8_over_auto_kv_solo_b2"}
+    assert all(float(v) > 0 for v in ratios.values())
+
+
 def test_update_flops_by_hand():
     """``update_flops`` on numbers small enough to add up by hand: N = 10 body parameters, a
     head of V H = 6, attention width A = 2; sequences of (prompt, completion) = (3, 2) and (1, 4)."""

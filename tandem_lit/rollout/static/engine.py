@@ -61,6 +61,7 @@ from tandem_lit.rollout.engine import EngineTiming, KVBudget, RolloutEngine, eva
 from tandem_lit.rollout.handoff import HandoffPolicy
 from tandem_lit.rollout.record import PromptBatch, Rollout, StopRule
 from tandem_lit.rollout.sampling import SamplingConfig
+from tandem_lit.rollout.static.blocks import FP8_CACHE
 from tandem_lit.rollout.static.continuous import ContinuousRun, RunSettings, paged_table
 from tandem_lit.rollout.static.hybrid import HYBRID_MODEL_TYPES, HybridDecoderModel
 from tandem_lit.rollout.static.plain import StaticDecoderModel
@@ -260,7 +261,7 @@ class FastEngine(RolloutEngine):
                 if not isinstance(model, StaticDecoderModel):
                     raise ConfigError(f"FastEngine(kv_cache_dtype='fp8') caches plain attention layers only; the {name} is "
                                       f"{model.config.model_type} (hybrid attention): use kv_cache_dtype: auto")
-                model.cache_dtype = torch.float8_e4m3fn
+        self._set_cache_dtype()
         self._batch: _Batch | None = None
         self._decoders: dict[tuple, TandemDecoder] = {}
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
@@ -335,6 +336,7 @@ class FastEngine(RolloutEngine):
         self._decoders.clear()  # decoders and graphs hold views of the old buffers
         self._drop_graphs()
         self._batch = None
+        self._set_cache_dtype()  # (again: a benchmark may switch kv_cache_dtype between calls)
         pages = self._pool_pages(capacity, length) if self.kv_cache == "paged" else 0
         for model in self.models.values():
             model.allocate(capacity, length, pages, self.kv_page_size)
@@ -342,6 +344,11 @@ class FastEngine(RolloutEngine):
         vocab = {name: m.lm_head.weight.shape[0] for name, m in self.models.items()}
         self._batch = _Batch(capacity, length, vocab, any_model.device, pages, self.kv_page_size)
         return self._batch
+
+    def _set_cache_dtype(self) -> None:
+        for model in self.models.values():
+            if isinstance(model, StaticDecoderModel):
+                model.cache_dtype = FP8_CACHE if self.kv_cache_dtype == "fp8" else model.dtype
 
     def _pool_pages(self, capacity: int, length: int) -> int:
         """Pages of the paged pool, the scratch page included (see ``kv_cache_tokens``)."""
