@@ -489,10 +489,10 @@ class StepReport(L.Callback):
             "busy_slot_fraction": row.get("train/rollout_busy_slot_fraction", float("nan")),
             # rows writing a token in a mean decode step, of rollout.batch_size (issue 54's "live rows")
             "mean_live_rows": row.get("train/rollout_mean_live_rows", float("nan")),
-            "live_row_fraction": row.get("train/rollout_mean_live_rows", float("nan")) / module.rollouts.settings.batch_size,
             **{key.removeprefix("train/"): value for key, value in row.items()
                if key.startswith(("train/partial_", "train/stale_token_"))},
         }
+        step["live_row_fraction"] = step["mean_live_rows"] / module.rollouts.settings.batch_size
         step["roofline_ms"] = 1000 * decode_bytes(module, step["prompt_width"]) / self.bandwidth
         step["decode_roofline_share"] = step["roofline_ms"] / step["decode_step_ms"]
         shapes = self.shapes.steps[-1] if self.shapes and self.shapes.steps else None
@@ -782,11 +782,12 @@ def main() -> None:
             print(f"{arm}_partial_over_today_rollout={partial / today:.2f} (in flight {args.partial}, "
                   f"max_staleness {args.max_staleness}; mean over {args.steps} measured steps)")
     if args.compare_fp8:
+        def mean(steps, key):  # over the steps that decoded (a partial step may train carried groups only)
+            values = [s[key] for s in steps if s[key] == s[key]]
+            return sum(values) / len(values) if values else float("nan")
+
         for arm in (a for a in results if not a.endswith(FP8)):
             auto, fp8 = (results[a]["steps"] for a in (arm, arm + FP8))
-            def mean(steps, key):  # over the steps that decoded (a partial step may train carried groups only)
-                values = [s[key] for s in steps if s[key] == s[key]]
-                return sum(values) / len(values) if values else float("nan")
             print(f"{arm}_fp8_over_auto_rollout={mean(fp8, 'rollout_seconds') / mean(auto, 'rollout_seconds'):.2f} "
                   f"decode_step={mean(fp8, 'decode_step_ms') / mean(auto, 'decode_step_ms'):.2f} "
                   f"mismatch_kl {mean(auto, 'mismatch_kl'):.3g} -> {mean(fp8, 'mismatch_kl'):.3g}")

@@ -188,3 +188,15 @@ def ragged_rollout(vocab: int, prompts=(3, 1, 4), completions=(9, 1, 5), seed: i
     completion_ids = torch.randint(4, vocab, (n, width), generator=generator) * (author != Author.PAD)
     return Rollout(prompt_ids, prompt_mask, completion_ids, author, torch.ones(n, dtype=torch.bool),
                    torch.zeros(n, dtype=torch.bool), *(torch.zeros(n, dtype=torch.long),) * 3, texts=[""] * n)
+
+
+def teacher_forced(model, rollout, temperature: float = 1.0):  # -> [B, T] each written token's log-prob, [B, T] the best
+    """The model itself (a plain forward over prompt and response) scoring a rollout's tokens at
+    ``temperature``: what an engine's recorded log-probs are checked against."""
+    ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], dim=1)
+    mask = torch.cat([rollout.prompt_mask, rollout.completion_mask.long()], dim=1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0)).logits
+    width = rollout.completion_ids.shape[1]
+    logp = (logits[:, -width - 1 : -1].float() / temperature).log_softmax(-1)
+    return logp.gather(-1, rollout.completion_ids.unsqueeze(-1)).squeeze(-1), logp.max(-1).values

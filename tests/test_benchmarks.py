@@ -139,15 +139,25 @@ def test_logp_gap_benchmark_tiny(repo_root, tmp_path):
     assert 0 < gaps["train"]["engine"][0] < gaps["train[both]"]["engine"][0]
 
 
-def test_rollout_benchmark_long_tailed_lengths_tiny(repo_root):
-    """Static vs continuous batching on lognormal budgets: both rows run every sequence to exactly
-    its budget (the script asserts it) and the ratio line is printed."""
+def tiny_lognormal_rollouts(repo_root, queue: int, *extra: str) -> subprocess.CompletedProcess:
+    """benchmarks/rollout.py on the tiny models, batches of 2, lognormal budgets; it must succeed."""
     run = subprocess.run(
-        [sys.executable, "benchmarks/rollout.py", "--device", "cpu", "--tiny", "--batches", "2", "--queue", "2",
-         "--repeats", "1", "--lengths", "lognormal:median=4,sigma=0.8,cap=8"],
+        [sys.executable, "benchmarks/rollout.py", "--device", "cpu", "--tiny", "--batches", "2", "--queue", str(queue),
+         "--repeats", "1", "--lengths", "lognormal:median=4,sigma=0.8,cap=8", *extra],
         cwd=repo_root, capture_output=True, text=True, timeout=600,
     )
     assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
+def last_line_ratios(run: subprocess.CompletedProcess) -> dict[str, str]:
+    return dict(part.split("=") for part in run.stdout.strip().splitlines()[-1].split())
+
+
+def test_rollout_benchmark_long_tailed_lengths_tiny(repo_root):
+    """Static vs continuous batching on lognormal budgets: both rows run every sequence to exactly
+    its budget (the script asserts it) and the ratio line is printed."""
+    run = tiny_lognormal_rollouts(repo_root, 2)
     last = run.stdout.strip().splitlines()[-1]
     assert last.startswith("continuous_over_static=") and " continuous_over_static_solo=" in last
     assert float(last.split()[0].split("=")[1]) > 0
@@ -156,28 +166,17 @@ def test_rollout_benchmark_long_tailed_lengths_tiny(repo_root):
 
 
 def test_rollout_benchmark_times_both_refill_rules_in_one_run(repo_root):
-    run = subprocess.run(
-        [sys.executable, "benchmarks/rollout.py", "--device", "cpu", "--tiny", "--batches", "2", "--queue", "3",
-         "--repeats", "1", "--lengths", "lognormal:median=4,sigma=0.8,cap=8", "--refill", "amortized", "eager", "--skip-static"],
-        cwd=repo_root, capture_output=True, text=True, timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = tiny_lognormal_rollouts(repo_root, 3, "--refill", "amortized", "eager", "--skip-static")
     assert "FastEngine continuous eager refill, solo" in run.stdout and "FastEngine continuous, solo" in run.stdout
-    ratios = dict(part.split("=") for part in run.stdout.strip().splitlines()[-1].split())
+    ratios = last_line_ratios(run)
     assert set(ratios) == {"amortized_over_eager_refill_b2", "amortized_over_eager_refill_solo_b2"}
     assert all(float(v) > 0 for v in ratios.values())
 
 
 def test_rollout_benchmark_times_both_kv_cache_dtypes_in_one_run(repo_root):
-    run = subprocess.run(
-        [sys.executable, "benchmarks/rollout.py", "--device", "cpu", "--tiny", "--batches", "2", "--queue", "3",
-         "--repeats", "1", "--lengths", "lognormal:median=4,sigma=0.8,cap=8", "--kv-cache", "paged",
-         "--kv-cache-dtype", "auto", "fp8", "--skip-static"],
-        cwd=repo_root, capture_output=True, text=True, timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = tiny_lognormal_rollouts(repo_root, 3, "--kv-cache", "paged", "--kv-cache-dtype", "auto", "fp8", "--skip-static")
     assert "FastEngine continuous paged fp8 KV, tandem" in run.stdout and "FastEngine continuous paged, tandem" in run.stdout
-    ratios = dict(part.split("=") for part in run.stdout.strip().splitlines()[-1].split())
+    ratios = last_line_ratios(run)
     assert set(ratios) == {"fp8_over_auto_kv_b2", "fp8_over_auto_kv_solo_b2"}
     assert all(float(v) > 0 for v in ratios.values())
 

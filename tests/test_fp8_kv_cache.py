@@ -18,20 +18,11 @@ from tandem_lit.rollout.handoff import SoloHandoff
 from tandem_lit.rollout.sampling import SamplingConfig
 from tandem_lit.rollout.static import FastEngine
 from tandem_lit.rollout.static.blocks import FP8_CACHE, to_cache
+from tests.conftest import teacher_forced
 from tests.test_fast_engine import DEVICES, PROMPTS, build, prompt_batch
 from tests.test_fast_engine import tokenizer as tokenizer  # noqa: F401 (the fixture)
 
 SENIOR_ONLY = SoloHandoff(author="senior")
-
-
-def teacher_forced(model, out, temperature: float):  # -> [B, W] the exact model's log-prob of each written token
-    ids = torch.cat([out.prompt_ids, out.completion_ids], dim=1)
-    mask = torch.cat([out.prompt_mask, out.completion_mask.long()], dim=1)
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0)).logits
-    width = out.completion_ids.shape[1]
-    logp = (logits[:, -width - 1 : -1].float() / temperature).log_softmax(-1)
-    return logp.gather(-1, out.completion_ids.unsqueeze(-1)).squeeze(-1)
 
 
 def fp8_engine(model, tokenizer, kv_cache: str, kernels: str = "auto") -> FastEngine:
@@ -50,13 +41,13 @@ def test_an_8_bit_cache_scores_its_tokens_close_to_the_exact_model_but_not_equal
     out = engine.generate(prompt_batch(tokenizer, device, PROMPTS * 2), SENIOR_ONLY, sampling)
     assert engine.models["senior"].k_cache[0].dtype == FP8_CACHE and engine.models["senior"].v_cache[0].dtype == FP8_CACHE
     written = out.completion_mask
-    gap = (out.senior_logprobs - teacher_forced(senior, out, sampling.temperature))[written].abs()
+    gap = (out.senior_logprobs - teacher_forced(senior, out, sampling.temperature)[0])[written].abs()
     assert gap.mean() > 1e-4, "the recorded log-probs are the exact model's: the cache does not round"
     assert gap.mean() < 0.02 and gap.max() < 0.1, f"an 8-bit cache moved the log-probs by {gap.mean():.3f} on average"
     exact = FastEngine(kernels="auto", rollout_dtype="float32", kv_cache=kv_cache, kv_page_size=8)
     exact.setup(senior, None, tokenizer)
     out_exact = exact.generate(prompt_batch(tokenizer, device, PROMPTS * 2), SENIOR_ONLY, sampling)
-    exact_gap = (out_exact.senior_logprobs - teacher_forced(senior, out_exact, sampling.temperature))[out_exact.completion_mask]
+    exact_gap = (out_exact.senior_logprobs - teacher_forced(senior, out_exact, sampling.temperature)[0])[out_exact.completion_mask]
     assert exact_gap.abs().max() < 1e-4  # the same engine with the model's own dtype: exact
 
 

@@ -29,6 +29,7 @@ from tandem_lit.rollout.record import Author, PromptBatch
 from tandem_lit.rollout.sampling import SamplingConfig, sequence_seeds
 from tandem_lit.rollout.vllm_engine import VLLMEngine, check_policy
 from tandem_lit.rollout.weights import WeightSyncError, rollout_named_tensors
+from tests.conftest import teacher_forced
 
 PROMPTS = ["Q: 2+3?\nA:", "Hi", "The quick brown fox jumps over", "1. a\n\n2."]
 CONFIG = "configs/rlvr/qwen3_4b_grpo_vllm.yaml"
@@ -372,16 +373,6 @@ def test_gpu_a_kv_cache_larger_than_the_free_memory_is_one_line(gpu_setup, token
     too_big = torch.cuda.mem_get_info()[1] / (1 << 30)  # the whole card
     with pytest.raises(ConfigError, match=r"kv_cache_gib=\S+ does not fit: .* lower kv_cache_gib"):
         VLLMEngine(kv_cache_gib=too_big).setup(senior, None, tokenizer)
-
-
-def teacher_forced(senior, rollout, temperature: float = 1.0):  # -> [B, T] each token's log-prob, [B, T] the best
-    ids = torch.cat([rollout.prompt_ids, rollout.completion_ids], dim=1)
-    mask = torch.cat([rollout.prompt_mask, rollout.completion_mask.long()], dim=1)
-    with torch.no_grad():
-        logits = senior(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0)).logits
-    width = rollout.completion_ids.shape[1]
-    logp = (logits[:, -width - 1 : -1].float() / temperature).log_softmax(-1)
-    return logp.gather(-1, rollout.completion_ids.unsqueeze(-1)).squeeze(-1), logp.max(-1).values
 
 
 def assert_greedy_of(senior, rollout, logprob_atol: float = NEAR_TIE):

@@ -265,9 +265,11 @@ def estimate_step_memory(senior: ModelShape, junior: ModelShape | None, settings
         "reference": senior.params * senior.param_bytes if s.reference_copy else 0,
         "overhead": FIXED_OVERHEAD,
     }
-    # the pool's bytes per position, and a prefill's staging caches' (always the models' own dtype)
-    per_token = senior.kv_bytes_per_token(s.kv_bytes or s.rollout_bytes) + (junior.kv_bytes_per_token(s.kv_bytes or s.junior_bytes) if junior else 0)
-    staging = senior.kv_bytes_per_token(s.rollout_bytes) + (junior.kv_bytes_per_token(s.junior_bytes) if junior else 0)
+    def both_models(senior_bytes: int, junior_bytes: int) -> int:  # K/V bytes of one token position
+        return senior.kv_bytes_per_token(senior_bytes) + (junior.kv_bytes_per_token(junior_bytes) if junior else 0)
+
+    per_token = both_models(s.kv_bytes or s.rollout_bytes, s.kv_bytes or s.junior_bytes)  # the pool's
+    staging = both_models(s.rollout_bytes, s.junior_bytes)  # a prefill's staging caches: the models' own dtype
     tokens = s.kv_pool_tokens if s.kv_pool_tokens is not None else s.rollout_sequences * s.sequence_tokens
     rollout = dict(common, **{"KV caches": tokens * per_token, "optimizer state": 0 if s.offload_optimizer else state},
                    **prefill_and_decode(senior, junior, s, staging))
