@@ -112,7 +112,13 @@ def model_folder(hub_name: str, tokenizer: str, root: Path) -> str:
 
 
 PARTIAL = "+partial"  # an arm's name with this suffix: the same arm with rollout.partial (--partial)
+KEEP = "+keep-"  # ... then this and a keep_caches value other than none (--keep-caches)
 FP8 = "+fp8"  # ... and with this one (last): with FastEngine's 8-bit KV cache (--compare-fp8)
+
+
+def partial_arms(arm: str, keep_caches: list[str]) -> list[str]:
+    """``arm``'s partial arms, one per ``rollout.partial.keep_caches`` value."""
+    return [arm + PARTIAL + ("" if keep == "none" else KEEP + keep) for keep in keep_caches]
 
 
 def build_module(model_args: dict, arm: str, args, root: Path):
@@ -126,6 +132,7 @@ def build_module(model_args: dict, arm: str, args, root: Path):
     from tandem_lit.training.module import TandemModule
 
     fp8, arm = arm.endswith(FP8), arm.removesuffix(FP8)
+    arm, _, keep = arm.partition(KEEP)
     partial, arm = arm.endswith(PARTIAL), arm.removesuffix(PARTIAL)
     init = copy.deepcopy(model_args)
     init.pop("verifier")
@@ -187,7 +194,11 @@ def build_module(model_args: dict, arm: str, args, root: Path):
     evaluation = init["evaluation"] = dict(init.get("evaluation") or {}, at_start=False, modes=["senior"])
     init["logging"] = dict(init.get("logging") or {}, completions_every_n_steps=0)
     if partial:  # partial rollouts: more prompt groups in flight than a step trains
-        rollout["partial"] = {"in_flight_prompts": args.partial, "max_staleness": args.max_staleness}
+        rollout["partial"] = {"in_flight_prompts": args.partial, "max_staleness": args.max_staleness,
+                              "keep_caches": keep or "none"}
+        if keep == "both":  # the resumed senior's tokens are corrected as any engine gap (verl's tis_cap)
+            objective = init["objective"] = dict(init["objective"])
+            objective["init_args"] = dict(objective.get("init_args") or {}, tis_cap=2.0)
     if arm in ("grpo", "grpo-vllm"):
         init["handoff"] = {"class_path": "SoloHandoff", "init_args": {"author": "senior"}}
         init.pop("junior", None)
@@ -478,6 +489,8 @@ class StepReport(L.Callback):
             "decode_steps": row.get("train/rollout_decode_steps", float("nan")),
             "preemptions": row.get("train/rollout_preemptions", 0.0),
             "resumed_tokens": row.get("train/rollout_resumed_tokens", 0.0),
+            "kept_positions": row.get("train/rollout_kept_positions", 0.0),
+            "restored_positions": row.get("train/rollout_restored_positions", 0.0),
             "kv_pool_peak_fraction": row.get("train/rollout_kv_pool_peak_fraction", float("nan")),
             "offload_seconds": row.get("train/optimizer_offload_seconds", 0.0),
             **{f"update_{part}_seconds": row.get(f"train/update_{part}_seconds", float("nan"))
@@ -512,7 +525,8 @@ class StepReport(L.Callback):
                     if self.fixed_lengths else "")
         live = (f"{step['mean_live_rows']:.0f} of {module.rollouts.settings.batch_size} rows live "
                 f"({step['live_row_fraction']:.0%}); " if step["mean_live_rows"] == step["mean_live_rows"] else "")
-        preempted = (f"{step['preemptions']:.0f} preempted, {step['resumed_tokens']:,.0f} tokens prefilled again to resume, pool "
+        restored = f"{step['restored_positions']:,.0f} positions' caches copied back, " if step["restored_positions"] else ""
+        preempted = (f"{step['preemptions']:.0f} preempted, {step['resumed_tokens']:,.0f} tokens prefilled again to resume, {restored}pool "
                      f"peak {step['kv_pool_peak_fraction']:.0%}; " if step["kv_pool_peak_fraction"] == step["kv_pool_peak_fraction"] else "")
         say(f"{self.arm:>7} step {len(self.steps)}: {seconds:7.1f} s = rollout {step['rollout_seconds']:6.1f} s "
               f"(setup {step['setup_seconds']:.2f}, prefill {step['prefill_seconds']:.2f}, decode {step['decode_seconds']:.1f} s = "
@@ -718,6 +732,9 @@ def main() -> None:
                              "and print the ratio of its rollout time to today's")
     parser.add_argument("--partial-only", action="store_true",
                         help="with --partial: run only the partial arms (today's measured in an earlier run on the machine)")
+    parser.add_argument("--keep-caches", nargs="+", default=["none"], choices=["none", "junior", "both"],
+                        help="with --partial: one partial arm per rollout.partial.keep_caches value given (both: with "
+                             "the objective's tis_cap 2.0, which it requires)")
     parser.add_argument("--max-staleness", type=int, default=2,
                         help="with --partial: rollout.partial.max_staleness (at least the updates a step makes: 2 in the 4B configs)")
     parser.add_argument("--switch-scoring", default="as-drawn", choices=["as-drawn", "unrestricted"],
@@ -769,18 +786,24 @@ def main() -> None:
               f"n={args.n or model_args['rollout']['sampling']['n']} x {args.max_new_tokens or model_args['rollout']['sampling']['max_new_tokens']} "
               f"tokens; lora={args.lora or (model_args.get('lora') or {}).get('r')}")  # --lora's rank, or the config's
         arms = [name for arm in args.arms
-                for name in ((arm + PARTIAL,) if args.partial_only else (arm, arm + PARTIAL) if args.partial else (arm,))]
+                for name in ([] if args.partial_only else [arm]) + (partial_arms(arm, args.keep_caches) if args.partial else [])]
         if args.compare_fp8:  # each arm as configured, then with the 8-bit cache, one after the other
             arms = [name for arm in arms for name in (arm, arm + FP8)]
         results = {arm: run_arm(arm, model_args, trainer_args, args, root, bandwidth) for arm in arms}
     if not rank_zero():
         return  # rank 0 writes the results
-    if args.partial and not args.partial_only:
-        for arm in args.arms:  # mean over the measured steps: carried groups make a step's rollout differ from the next
-            today, partial = (sum(s[key] for s in results[a]["steps"]) / len(results[a]["steps"])
-                              for a in (arm, arm + PARTIAL) for key in ("rollout_seconds",))
-            print(f"{arm}_partial_over_today_rollout={partial / today:.2f} (in flight {args.partial}, "
-                  f"max_staleness {args.max_staleness}; mean over {args.steps} measured steps)")
+    if args.partial:
+        def rollout_seconds(arm):  # mean over the measured steps: carried groups make a step's rollout differ from the next
+            return sum(s["rollout_seconds"] for s in results[arm]["steps"]) / len(results[arm]["steps"])
+
+        for arm in args.arms:
+            arms = partial_arms(arm, args.keep_caches)
+            base = arm if not args.partial_only else arms[0] if len(arms) > 1 else None
+            for name in (a for a in arms if a != base and base is not None):
+                label = name.removeprefix(arm).replace("+", "_")
+                over = "today" if base == arm else "partial"
+                print(f"{arm}{label}_over_{over}_rollout={rollout_seconds(name) / rollout_seconds(base):.2f} (in flight "
+                      f"{args.partial}, max_staleness {args.max_staleness}; mean over {args.steps} measured steps)")
     if args.compare_fp8:
         def mean(steps, key):  # over the steps that decoded (a partial step may train carried groups only)
             values = [s[key] for s in steps if s[key] == s[key]]

@@ -124,6 +124,10 @@ class EngineTiming:
     # to go on, the token positions it holds and the most of it held at once
     preemptions: int | None = None
     resumed_tokens: int | None = None
+    # partial rollouts with ``keep_caches``: positions of the paused sequences whose pages went to
+    # host memory, and of the resumed ones whose pages came back (not prefilled again)
+    kept_positions: int | None = None
+    restored_positions: int | None = None
     kv_pool_tokens: int | None = None
     kv_pool_peak_fraction: float | None = None
 
@@ -201,6 +205,11 @@ class RolloutEngine(ABC):
     # the rows still running returned in ``Rollout.paused``) and goes on with paused sequences given
     # in ``PromptBatch.resume``, token for token as if never paused (``rollout.partial``)
     pauses: bool = False
+
+    def why_no_kept_caches(self) -> str | None:
+        """Why this engine cannot keep paused sequences' keys and values in host memory
+        (``StopRule.keep_caches``, ``rollout.partial.keep_caches``); None: it can."""
+        return f"{type(self).__name__} prefills a resumed sequence again and keeps no cache"
 
     def sampled_vocab(self, tokenizer) -> int | None:
         """How many of the senior head's logits the engine samples and scores tokens over (the
@@ -364,6 +373,8 @@ class HFEngine(RolloutEngine):
         """See ``RolloutEngine``. With ``stop``, the finished flags are read every ``check_every``
         steps, and the call ends once the rule is reached; resumed rows prefill their prompt and
         the tokens they wrote, then go on from their saved decoder state."""
+        if stop is not None and stop.keep_caches:
+            raise ConfigError(self.why_no_kept_caches())
         device = next(self.senior.parameters()).device
         prompts = prompts.to(device)
         inputs = model_prompts(prompts)

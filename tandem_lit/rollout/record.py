@@ -17,17 +17,32 @@ from torch import Tensor
 HOST_CODES = ("start_set", "end_set")
 
 @dataclass
+class KeptCache:
+    """One model's keys and values of a paused sequence, moved to host memory (``StopRule.keep_caches``):
+    the pages of a paged KV pool that held its positions [0, ``positions``), and the model's
+    next-token logits, so resuming needs no prefill of this model."""
+
+    positions: int  # prompt + written tokens: what the pages hold
+    keys: list[Tensor]  # per layer: [pages, kv_heads, page_size, head_dim], host (pinned where there is a GPU)
+    values: list[Tensor]
+    logits: Tensor  # [vocab] float32: the distribution of the sequence's next token
+
+
+@dataclass
 class PausedSequence:
     """A sequence an engine stopped before its end (``StopRule``), with everything it wrote: the
     tokens and their authors, and the decoder's state of its row (``TandemDecoder.pause``: its
     step counter, so its RNG draws, span and switch state, per-token log-probs and switch codes).
     Given back in ``PromptBatch.resume``, the engine prefills its prompt and ``tokens`` and goes on
-    exactly where it stopped. ``state`` None: admitted nowhere yet (nothing written)."""
+    exactly where it stopped. ``state`` None: admitted nowhere yet (nothing written). ``caches``:
+    the models whose keys and values were kept (``StopRule.keep_caches``): those are not prefilled
+    again but copied back."""
 
     written: int  # response tokens written so far
     tokens: Tensor  # [written] long
     authors: Tensor  # [written] int8 Author codes
     state: list[Tensor] | None = None  # the decoder's per-row buffers of this sequence (host copies)
+    caches: dict[str, KeptCache] | None = None  # model name -> its kept keys and values
 
 
 @dataclass
@@ -39,6 +54,9 @@ class StopRule:
     group: list[int]  # per row of the call: its prompt group
     groups: int  # complete groups wanted (<= 0: none)
     must_finish: list[bool] | None = None  # per row: it may not be paused
+    # the models whose keys and values the engine keeps for the paused rows (host memory), to be
+    # copied back when they resume instead of prefilled (an engine that ``keeps_caches``)
+    keep_caches: tuple[str, ...] = ()
 
     def reached(self, ended: list[bool]) -> bool:
         """``ended``: per row of the call, whether it has ended."""

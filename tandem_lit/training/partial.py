@@ -9,7 +9,8 @@ A step's rollout phase with partial rollouts on:
     -> the engine decodes every unfinished sequence (paused ones resume from what they wrote)
        until the step's groups are complete (``StopRule``), pausing the rest
     -> the first complete groups (those that must train now first, then in flight order) are
-       graded and trained; the others are carried to the next step
+       graded and trained; the others are carried to the next step (with ``keep_caches``, the
+       paused sequences' keys and values of the junior, or of both models, wait in host memory)
 
 Each token keeps the policy version that wrote it, so a trained rollout carries
 ``Rollout.staleness``: updates between the senior weights that wrote each senior token and the
@@ -155,6 +156,12 @@ class InFlight:
         if not engine.pauses:
             raise ConfigError(f"rollout.partial needs an engine that pauses and resumes sequences (HFEngine, FastEngine); "
                               f"{type(engine).__name__} does not")
+        if self.settings.keep_caches != "none":
+            if (reason := engine.why_no_kept_caches()) is not None:
+                raise ConfigError(f"rollout.partial.keep_caches: {self.settings.keep_caches}: {reason}")
+            if engine.junior is None:
+                raise ConfigError(f"rollout.partial.keep_caches: {self.settings.keep_caches} keeps the junior's cache, "
+                                  "and this run has no junior: set keep_caches: none")
         mine = shares.of_step(shares.balanced(len(rows)))
         new = []
         if mine:
@@ -262,7 +269,8 @@ class InFlight:
                 continue  # not started: they wait in flight
             members = [(i, m) for i in groups for m in pool[i].members if m.done is None]
             stop = StopRule(group=[i for i, _ in members], groups=trained - complete,
-                            must_finish=[pool[i].must_finish for i, _ in members])
+                            must_finish=[pool[i].must_finish for i, _ in members],
+                            keep_caches=self.settings.kept_models)
             texts = [pool[i].row["prompt"] for i, _ in members]
             seeds = torch.tensor([m.seed for _, m in members], dtype=torch.long)
             rollout = phase.decode(engine, texts, seeds, policy, sampling, [m.paused for _, m in members], stop)
@@ -310,6 +318,10 @@ class InFlight:
 
 def use_correction(settings: PartialRollouts, objective) -> None:
     """Set the objective up to correct stale senior tokens as ``settings.correction`` says."""
+    if settings.keep_caches == "both" and objective.tis_cap is None:
+        raise ConfigError("rollout.partial.keep_caches: both resumes the senior on keys its old weights wrote, so its "
+                          "next tokens are drawn from neither policy: set objective.init_args.tis_cap (verl uses 2.0) "
+                          "to correct them, or keep_caches: junior")
     if settings.correction == "tis":
         if objective.tis_cap is None:
             raise ConfigError("rollout.partial.correction: tis corrects stale tokens with the objective's tis_cap, which is "

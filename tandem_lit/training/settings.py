@@ -175,6 +175,17 @@ class PartialRollouts:
             ``tis_cap``/``tis_level`` correction covers them (every token's recorded log-prob is
             its behaviour log-prob); the objective must set ``tis_cap``.
         correction_cap: The truncation of ``decoupled``'s weights.
+        keep_caches: What happens to the paused sequences' keys and values over the update.
+            ``none`` (default): released, and rebuilt by prefilling each sequence's prompt and
+            tokens when it resumes, in both models, under the new weights. ``junior``: the
+            junior's (its weights never change, so they are what a prefill would rebuild) go to
+            host memory and back, and only the senior prefills. ``both``: the senior's too, as
+            PipelineRL's in-flight weight updates do: a resumed sequence's new tokens then attend
+            to keys the old weights wrote, so they are drawn from neither policy exactly; their
+            recorded log-probs are what they were drawn with, and the objective's ``tis_cap``
+            (required) corrects them as any engine-vs-trainer gap. FastEngine with
+            ``kv_cache: paged`` (plain attention models) only. Host memory: the paused positions'
+            keys and values, both models' for ``both`` (docs/partial_rollouts.md).
     """
 
     in_flight_prompts: int
@@ -182,6 +193,7 @@ class PartialRollouts:
     stale: Literal["correct", "redraw"] = "correct"
     correction: Literal["decoupled", "tis"] = "decoupled"
     correction_cap: float = 2.0
+    keep_caches: Literal["none", "junior", "both"] = "none"
 
     def __post_init__(self) -> None:
         if self.in_flight_prompts < 1:
@@ -194,6 +206,13 @@ class PartialRollouts:
             raise ConfigError(f"rollout.partial.correction must be 'decoupled' or 'tis', got {self.correction!r}")
         if self.correction_cap <= 0:
             raise ConfigError(f"rollout.partial.correction_cap must be > 0, got {self.correction_cap}")
+        if self.keep_caches not in ("none", "junior", "both"):
+            raise ConfigError(f"rollout.partial.keep_caches must be 'none', 'junior' or 'both', got {self.keep_caches!r}")
+
+    @property
+    def kept_models(self) -> tuple[str, ...]:
+        """The models whose paused caches are kept over the update (``StopRule.keep_caches``)."""
+        return {"none": (), "junior": ("junior",), "both": ("senior", "junior")}[self.keep_caches]
 
 
 @dataclass

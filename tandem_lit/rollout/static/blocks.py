@@ -161,6 +161,23 @@ def bits(cache: Tensor) -> Tensor:
     return cache.view(torch.uint8) if cache.dtype == FP8_CACHE else cache
 
 
+def pages_to_host(pool: Tensor, pages: Tensor) -> Tensor:  # -> [n, KV, page_size, D] on the host
+    """Pool ``pages`` [n] copied to host memory (pinned when the pool is on a GPU, so the copy does
+    not wait: a later copy back on the same stream is ordered after it)."""
+    gathered = bits(pool)[pages]
+    host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=gathered.is_cuda)
+    host.copy_(gathered, non_blocking=True)
+    return host.view(pool.dtype)
+
+
+def pages_from_host(pool: Tensor, pages: Tensor, host: Tensor) -> None:
+    """``pages_to_host``'s copy back into pool ``pages`` (other pages, possibly, than it came from)."""
+    if host.dtype != pool.dtype or host.shape[1:] != pool.shape[1:]:
+        raise ValueError(f"kept pages of {host.dtype} {tuple(host.shape[1:])} cannot go back into a pool of "
+                         f"{pool.dtype} {tuple(pool.shape[1:])} pages (kv_cache_dtype or kv_page_size changed)")
+    bits(pool)[pages] = bits(host).to(pool.device, non_blocking=True)
+
+
 def write_pages(pool: Tensor, positions: Tensor, values: Tensor) -> None:
     """values [N, KV, D] at flat pool positions [N] (rows past their pages all write the scratch page)."""
     page_size = pool.shape[2]

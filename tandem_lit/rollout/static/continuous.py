@@ -11,6 +11,9 @@ decoders and the captured decode steps. A ``ContinuousRun`` owns one call's queu
 - with a paged pool, the pages of the next chunk's positions are reserved first; a sequence that
   needs a page when none is free is preempted (it keeps its tokens and decoder state, and resumes
   by prefilling its prompt and them);
+- a ``StopRule`` ends the call early: the sequences still running are paused, and with
+  ``keep_caches`` their pages of the named models go to host memory (``KeptCache``); resumed in a
+  later call, those pages are copied back into the pool instead of prefilled again;
 - where the time went (``timing``): prefills, decode, busy share, refills, compactions, the pool.
 
 A sequence depends on its own seed only, never on its slot, its neighbours or when it was
@@ -30,7 +33,7 @@ from torch import Tensor
 from tandem_lit.errors import ConfigError
 from tandem_lit.rollout.decoder import TandemDecoder
 from tandem_lit.rollout.engine import EngineTiming, model_prompts, with_responses  # noqa: F401 (tests import it here)
-from tandem_lit.rollout.record import PausedSequence, PromptBatch, StopRule
+from tandem_lit.rollout.record import KeptCache, PausedSequence, PromptBatch, StopRule
 from tandem_lit.rollout.static.paging import BlockManager, prompt_placement, write_table_rows
 from tandem_lit.rollout.static.scheduler import PagedSlotTable, RefillTimer, SlotTable
 
@@ -75,6 +78,10 @@ class ContinuousRun:
         self.ended: list[bool] = []  # per sequence: it ended (retired)
         self.stopped = False  # a StopRule ended the run
         self.paused_out: dict[int, PausedSequence] = {}  # after a stop: sequence -> what it wrote
+        self.kept: dict[int, dict[str, KeptCache]] = {}  # resumed sequence -> its kept caches, until admitted
+        self.kept_positions = 0  # positions of paused sequences whose caches went to host memory
+        self.restored_positions = 0  # positions of resumed sequences copied back instead of prefilled
+        self.active: list[str] = []
         self.width = 0
         self.peak_pages = 0  # paged pool: the most pages held at once
 
@@ -89,11 +96,14 @@ class ContinuousRun:
         still running or waiting paused (``paused_sequences``). Sequences of ``prompts.resume``
         wait as preempted ones do: admitted, they prefill their tokens and go on."""
         decoder, table, buf = self.decoder, self.table, self.buf
+        self.active = active
         if prompts.resumes:
             for sequence, paused in enumerate(prompts.resume):
                 if paused is not None and paused.state is not None:
                     state = [x.to(buf.slot.device) for x in decoder.fit_state(paused.state)]
                     self.paused[sequence] = (state, paused.tokens.to(buf.slot.device))
+                    if paused.caches:
+                        self.kept[sequence] = paused.caches
         self.ended = [False] * prompts.batch_size
         self.stopped = False
         decoder.vacate()
@@ -126,7 +136,7 @@ class ContinuousRun:
             synced = self._time_chunk(steps, synced)
             self._retire(finished, results)
             if stop is not None and stop.reached(self.ended):
-                self._pause(results)
+                self._pause(results, stop.keep_caches)
                 break
             if table.queue:
                 live = len(table.live)
@@ -171,10 +181,11 @@ class ContinuousRun:
         self.decoder.state.finished[len(sources):].fill_(True)  # the rows left behind are empty
         self.compactions += 1
 
-    def _pause(self, results: dict[str, Tensor]) -> None:
+    def _pause(self, results: dict[str, Tensor], keep: tuple[str, ...]) -> None:
         """A ``StopRule`` is reached: the sequences in slots are paused (saved, their rows copied
-        into ``results`` as they stand), those waiting keep what they had (nothing, or what a
-        preemption saved); ``paused_sequences`` hands them all back."""
+        into ``results`` as they stand; the caches of the models in ``keep`` to host memory),
+        those waiting keep what they had (nothing, or what a preemption saved, or caches kept by an
+        earlier call); ``paused_sequences`` hands them all back."""
         self.stopped = True
         live = self.table.live
         device = self.buf.slot.device
@@ -184,16 +195,43 @@ class ContinuousRun:
             out = self.decoder.outputs()
             for name, values in results.items():
                 values.index_copy_(0, where, out[name][index])
-            for slot, sequence in zip(live, self.decoder.pause(index)):
+            paused = self.decoder.pause(index)
+            kept = self._keep_caches(live, [p.written for p in paused], [n for n in keep if n in self.active])
+            for slot, sequence, caches in zip(live, paused, kept):
+                sequence.caches = caches
                 self.paused_out[self.table.held[slot]] = sequence
         for sequence, (saved, tokens) in self.paused.items():  # preempted, or resumed and not readmitted
             state = [x.cpu() for x in saved]
-            self.paused_out[sequence] = PausedSequence(tokens.numel(), tokens.cpu(), state[4][: tokens.numel()].clone(), state)
+            self.paused_out[sequence] = PausedSequence(tokens.numel(), tokens.cpu(), state[4][: tokens.numel()].clone(), state,
+                                                       caches=self.kept.pop(sequence, None))
             for name, column in (("tokens", 3), ("authors", 4), ("logprobs", 5), ("start_sets", 6), ("end_sets", 7)):
                 results[name][sequence] = saved[column][: results[name].shape[1]].to(results[name].dtype)
         for sequence in self.table.queue:
             if sequence not in self.paused_out:  # never admitted: nothing written
                 self.paused_out[sequence] = PausedSequence(0, torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.int8))
+
+    def _keep_caches(self, slots: list[int], written: list[int], names: list[str]) -> list[dict[str, KeptCache] | None]:
+        """The paged pool's pages that hold the positions of the sequences in ``slots`` (each its
+        prompt and ``written`` tokens), for each model of ``names``, copied to host memory with
+        the model's next-token logits: per slot, model name -> ``KeptCache`` (None: none kept)."""
+        if not names or not slots:
+            return [None] * len(slots)
+        table = self.table
+        sequences = [table.held[s] for s in slots]
+        positions = [table.prompt_tokens[q] + n for q, n in zip(sequences, written)]
+        counts = [table.pages.pages_for(p) for p in positions]
+        pages = torch.tensor([page for q, c in zip(sequences, counts) for page in table.pages.held[q][:c]],
+                             device=self.buf.slot.device)
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        kept: list[dict[str, KeptCache]] = [{} for _ in slots]
+        for name in names:
+            keys, values = self.models[name].save_pages(pages)
+            logits = self.buf.logits[name][torch.tensor(slots, device=pages.device)].cpu()
+            for i, (start, count) in enumerate(zip(starts, counts)):
+                kept[i][name] = KeptCache(positions[i], [k[start : start + count] for k in keys],
+                                          [v[start : start + count] for v in values], logits[i])
+        self.kept_positions += sum(positions)
+        return kept
 
     def paused_sequences(self, rows: int) -> list[PausedSequence | None]:
         """Per sequence: the paused one, or None where it ended (after a stopped ``decode``)."""
@@ -239,7 +277,10 @@ class ContinuousRun:
             marks.append(self._mark())
         paged = isinstance(self.table, PagedSlotTable)
         starts = [self.table.start_tokens(s) if paged else 0 for s in sequences]
-        parts = prefill_parts(starts, self.settings.prefill_tokens)
+        # sequences with kept caches in parts of their own: those models' forwards skip them
+        kinds = [[i for i, s in enumerate(sequences) if (s in self.kept) == kept] for kept in (False, True)]
+        parts = [[kind[j] for j in part] for kind in kinds if kind
+                 for part in prefill_parts([starts[i] for i in kind], self.settings.prefill_tokens)]
         for n, part in enumerate(parts):
             with _on(stream):
                 staged = self._prefill_forward(prompts, budgets, active, [slots[i] for i in part],
@@ -269,6 +310,7 @@ class ContinuousRun:
         group = prompts.select(sequences)
         staged = _Staged(slots, sequences, torch.tensor(slots, device=device))
         inputs = model_prompts(group)
+        kept = [self.kept.pop(s, None) for s in sequences]  # all or none (``_admit``'s parts)
         paused = [self.paused.pop(s, None) for s in sequences]
         new = [i for i, saved in enumerate(paused) if saved is None]
         if new:
@@ -281,7 +323,7 @@ class ContinuousRun:
                               [torch.stack(parts) for parts in zip(*(paused[i][0] for i in back))])
             responses = [saved[1] if saved is not None else None for saved in paused]
             inputs = {name: with_responses(ids, mask, responses) for name, (ids, mask) in inputs.items()}
-            self.resumed_tokens += sum(paused[i][1].numel() for i in back)
+            resumed_tokens = sum(paused[i][1].numel() for i in back)
         staged.width = width = inputs["senior"][0].shape[1]
         if self.buf.table is None:
             staged.last = [width - 1] * len(slots)
@@ -295,7 +337,14 @@ class ContinuousRun:
         for name in active:
             ids, mask = inputs[name]
             staged.masks[name] = mask
-            staged.forwards[name] = self.models[name].prefill_forward(ids, mask)
+            if kept[0] is not None and name in kept[0]:
+                staged.kept[name] = [k[name] for k in kept]
+            else:
+                staged.forwards[name] = self.models[name].prefill_forward(ids, mask)
+        if len(new) < len(sequences) and staged.forwards:  # some model prefilled them again
+            self.resumed_tokens += resumed_tokens
+        if kept[0] is not None:
+            self.restored_positions += sum(self.table.start_tokens(s) for s in sequences)
         return staged
 
     def _place(self, staged: _Staged) -> None:
@@ -307,12 +356,21 @@ class ContinuousRun:
         if staged.resumed is not None:
             self.decoder.restore(*staged.resumed)
         buf.slot[rows] = staged.last_slot
-        for name, (logits, cache) in staged.forwards.items():
+        for name in (*staged.forwards, *staged.kept):
             mask = staged.masks[name]
             buf.position[name][rows] = mask.sum(-1) - 1
             buf.valid[name][rows] = _valid_rows(mask, buf.slot[rows], staged.width, buf)
+        for name, (logits, cache) in staged.forwards.items():
             buf.logits[name][rows] = logits.float()
             self.models[name].store_prefill(cache, rows, staged.placement)
+        for name, caches in staged.kept.items():  # copied back into the pages admission gave them
+            buf.logits[name][rows] = torch.stack([c.logits for c in caches]).to(rows.device)
+            for sequence, cache in zip(staged.sequences, caches):
+                pages = self.table.pages.held[sequence]
+                if len(pages) != len(cache.keys[0]):
+                    raise RuntimeError(f"sequence {sequence} was admitted with {len(pages)} pages for the "
+                                       f"{len(cache.keys[0])} its kept cache holds")
+                self.models[name].load_pages(cache.keys, cache.values, torch.tensor(pages, device=rows.device))
         for slot, bound in zip(staged.slots, staged.last):
             self.table.bound[slot] = bound
 
@@ -356,6 +414,7 @@ class ContinuousRun:
         if isinstance(self.table, PagedSlotTable):
             pages = self.table.pages
             timing = replace(timing, preemptions=self.table.preemptions, resumed_tokens=self.resumed_tokens,
+                             kept_positions=self.kept_positions, restored_positions=self.restored_positions,
                              kv_pool_tokens=pages.usable * pages.page_size,
                              kv_pool_peak_fraction=self.peak_pages / pages.usable)
         return timing
@@ -424,6 +483,7 @@ class _Staged:
     placement: tuple[Tensor, Tensor] | None = None  # paged: where the prompt K/V go in the pool
     masks: dict[str, Tensor] = field(default_factory=dict)  # per model: its attention mask
     forwards: dict[str, tuple[Tensor, object]] = field(default_factory=dict)  # per model: logits, cache
+    kept: dict[str, list[KeptCache]] = field(default_factory=dict)  # per model not prefilled: each row's kept cache
 
 
 class _PhaseClock:

@@ -310,6 +310,15 @@ class FastEngine(RolloutEngine):
     def prefill_size(self) -> int | None:
         return self.prefill_tokens
 
+    def why_no_kept_caches(self) -> str | None:
+        if self.kv_cache != "paged":
+            return "FastEngine keeps paused sequences' caches in a paged pool only: set the engine's kv_cache: paged"
+        hybrid = [name for name, model in self.models.items() if not isinstance(model, StaticDecoderModel)]
+        if hybrid:
+            return (f"FastEngine keeps paused caches of plain attention models only; the {hybrid[0]} is "
+                    f"{self.models[hybrid[0]].config.model_type} (hybrid attention): set rollout.partial.keep_caches: none")
+        return None
+
     def kv_cache_bytes(self) -> int | None:
         return 1 if self.kv_cache_dtype == "fp8" else None
 
@@ -467,6 +476,8 @@ class FastEngine(RolloutEngine):
         ``stop`` and ``prompts.resume``: see ``RolloutEngine.pauses`` (a resumed sequence waits in
         the queue as a preempted one, and prefills its prompt and tokens when admitted)."""
         self.check_models(policy)
+        if stop is not None and stop.keep_caches and (reason := self.why_no_kept_caches()):
+            raise ConfigError(reason)
         device = self.models["senior"].device
         prompts = prompts.to(device)
         budgets = prompts.budgets(sampling.max_new_tokens)

@@ -17,6 +17,8 @@ from tandem_lit.rollout.static.blocks import (
     layer_cache,
     norm,
     page_slots,
+    pages_from_host,
+    pages_to_host,
     prefill_with_cache,
     read_pages,
     rotate_half,
@@ -169,6 +171,16 @@ class StaticDecoderModel:
         for i in range(len(self.layers)):
             keys, values = layer_cache(cache, i)
             store_prompt_kv(self.k_cache[i], self.v_cache[i], keys, values, rows, placement)
+
+    def save_pages(self, pages: Tensor) -> tuple[list[Tensor], list[Tensor]]:
+        """Paged pool ``pages`` [n] of every layer as host copies: (keys, values), per layer
+        [n, KV, page_size, D] (a paused sequence's cache, kept over a training update)."""
+        return [pages_to_host(c, pages) for c in self.k_cache], [pages_to_host(c, pages) for c in self.v_cache]
+
+    def load_pages(self, keys: list[Tensor], values: list[Tensor], pages: Tensor) -> None:
+        """``save_pages``' copies back into pool ``pages``."""
+        for pool, host in zip((*self.k_cache, *self.v_cache), (*keys, *values)):
+            pages_from_host(pool, pages, host)
 
     def move_rows(self, sources: Tensor) -> None:
         """Compaction: cache row ``i`` becomes row ``sources[i]``'s, for i < len(sources) (a paged
