@@ -198,3 +198,20 @@ def test_kept_caches_on_cuda_graphs_and_triton_kernels(tokenizer, kv_cache_dtype
     same = [j for j, i in enumerate(paused) if int(again.lengths[j]) == int(want.lengths[i])
             and torch.equal(again.completion_ids[j, : int(want.lengths[i])], want.completion_ids[i, : int(want.lengths[i])])]
     assert len(same) >= len(paused) - 1, f"only {same} of {paused} match"
+
+
+def test_the_train_step_benchmark_runs_one_partial_arm_per_keep_caches_value(repo_root):
+    import os
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "benchmarks/train_step.py", "--device", "cpu", "--tiny", "--arms", "tandem", "--max-new-tokens", "24",
+         "--lengths", "lognormal:median=8,sigma=0.8,cap=24", "--kv-cache", "paged", "--partial", "3", "--partial-only",
+         "--keep-caches", "none", "junior", "--warmup-steps", "1", "--steps", "2"],
+        cwd=repo_root, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(repo_root)},
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    ratio = next(line for line in run.stdout.splitlines() if line.startswith("tandem_partial_keep-junior_over_partial_rollout="))
+    assert float(ratio.split("=")[1].split()[0]) > 0
+    assert "tandem+partial+keep-junior step" in run.stdout and "positions' caches copied back" in run.stdout
