@@ -215,3 +215,22 @@ def test_the_train_step_benchmark_runs_one_partial_arm_per_keep_caches_value(rep
     ratio = next(line for line in run.stdout.splitlines() if line.startswith("tandem_partial_keep-junior_over_partial_rollout="))
     assert float(ratio.split("=")[1].split()[0]) > 0
     assert "tandem+partial+keep-junior step" in run.stdout and "positions' caches copied back" in run.stdout
+
+
+def test_host_memory_running_out_while_keeping_caches_is_one_line(tokenizer, monkeypatch):
+    """A pinned allocation that fails (cudaHostAlloc's out of memory, injected here) ends the call
+    with the setting to change, not a traceback from deep in the copy."""
+    from tandem_lit.errors import DeviceMemoryError
+    from tandem_lit.rollout.static import plain
+
+    def no_host_memory(pool, pages):
+        raise RuntimeError("CUDA error: out of memory")
+
+    senior, junior = pair(tokenizer)
+    engine = paged_engine(senior, junior, tokenizer)
+    prompts = queue_batch(tokenizer, JUNIOR_PROMPTS)
+    monkeypatch.setattr(plain, "pages_to_host", no_host_memory)
+    stop = StopRule(group=[i // 2 for i in range(prompts.batch_size)], groups=1, keep_caches=("junior",))
+    with pytest.raises(DeviceMemoryError, match="host memory ran out keeping the paused sequences' junior caches .* "
+                                                "set rollout.partial.keep_caches: junior"):
+        engine.generate(prompts, POLICY, SAMPLED, stop)

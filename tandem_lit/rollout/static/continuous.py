@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
-from tandem_lit.errors import ConfigError
+from tandem_lit.errors import ConfigError, DeviceMemoryError
 from tandem_lit.rollout.decoder import TandemDecoder
 from tandem_lit.rollout.engine import EngineTiming, model_prompts, with_responses  # noqa: F401 (tests import it here)
 from tandem_lit.rollout.record import KeptCache, PausedSequence, PromptBatch, StopRule
@@ -225,7 +225,15 @@ class ContinuousRun:
         starts = [sum(counts[:i]) for i in range(len(counts))]
         kept: list[dict[str, KeptCache]] = [{} for _ in slots]
         for name in names:
-            keys, values = self.models[name].save_pages(pages)
+            try:
+                keys, values = self.models[name].save_pages(pages)
+            except RuntimeError as err:  # pinned host memory ran out (cudaHostAlloc)
+                if "out of memory" not in str(err):
+                    raise
+                gib = len(pages) * self.table.pages.page_size * self.models[name].kv_bytes_per_token() / 1024**3
+                raise DeviceMemoryError(
+                    f"host memory ran out keeping the paused sequences' {name} caches for the update ({gib:.1f} GiB): "
+                    "set rollout.partial.keep_caches: junior (one model's) or none (prefilled again instead)") from err
             logits = self.buf.logits[name][torch.tensor(slots, device=pages.device)].cpu()
             for i, (start, count) in enumerate(zip(starts, counts)):
                 kept[i][name] = KeptCache(positions[i], [k[start : start + count] for k in keys],
