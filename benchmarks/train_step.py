@@ -416,9 +416,12 @@ class StepReport(L.Callback):
     pinned host buffers, allocated once at the first rollout after an update) and are not reported."""
 
     def __init__(self, arm: str, warmup: int, warmup_tokens: int, bandwidth: float, prompts: int, peak_tflops: float,
-                 fixed_lengths: bool = True, measured: int = 1):
+                 fixed_lengths: bool = True, measured: int = 1, profiled: int = 0):
         self.arm, self.warmup, self.warmup_tokens, self.bandwidth, self.prompts = arm, warmup, warmup_tokens, bandwidth, prompts
-        self.measured = measured  # steps reported after the warm-up; any after them are profiled
+        self.measured = measured  # steps reported after the warm-up
+        # the run stops after these data batches (max_steps counts optimiser updates, and a partial
+        # step that trains few groups makes fewer than a full one)
+        self.batches = warmup + measured + profiled
         # the roofline counts every row at the mean length of a fixed-length run: with per-row
         # budgets rows finish early and a step reads less, so a share of it would mislead
         self.fixed_lengths = fixed_lengths
@@ -459,6 +462,8 @@ class StepReport(L.Callback):
             torch.cuda.synchronize()
             self.sample_device_memory()
         seconds = time.perf_counter() - self.started
+        if batch_idx + 1 >= self.batches:
+            trainer.should_stop = True
         if batch_idx >= self.warmup + self.measured:
             say(f"{self.arm:>7} profiled step: {seconds:.1f} s (under torch.profiler: not a measurement)")
         elif batch_idx >= self.warmup:
@@ -491,6 +496,7 @@ class StepReport(L.Callback):
             "resumed_tokens": row.get("train/rollout_resumed_tokens", 0.0),
             "kept_positions": row.get("train/rollout_kept_positions", 0.0),
             "restored_positions": row.get("train/rollout_restored_positions", 0.0),
+            "keep_seconds": row.get("train/rollout_keep_seconds", 0.0),
             "kv_pool_peak_fraction": row.get("train/rollout_kv_pool_peak_fraction", float("nan")),
             "offload_seconds": row.get("train/optimizer_offload_seconds", 0.0),
             **{f"update_{part}_seconds": row.get(f"train/update_{part}_seconds", float("nan"))
@@ -525,7 +531,8 @@ class StepReport(L.Callback):
                     if self.fixed_lengths else "")
         live = (f"{step['mean_live_rows']:.0f} of {module.rollouts.settings.batch_size} rows live "
                 f"({step['live_row_fraction']:.0%}); " if step["mean_live_rows"] == step["mean_live_rows"] else "")
-        restored = f"{step['restored_positions']:,.0f} positions' caches copied back, " if step["restored_positions"] else ""
+        restored = (f"{step['restored_positions']:,.0f} positions' caches copied back, {step['kept_positions']:,.0f} kept "
+                    f"in {step['keep_seconds']:.2f} s, " if step["kept_positions"] or step["restored_positions"] else "")
         preempted = (f"{step['preemptions']:.0f} preempted, {step['resumed_tokens']:,.0f} tokens prefilled again to resume, {restored}pool "
                      f"peak {step['kv_pool_peak_fraction']:.0%}; " if step["kv_pool_peak_fraction"] == step["kv_pool_peak_fraction"] else "")
         say(f"{self.arm:>7} step {len(self.steps)}: {seconds:7.1f} s = rollout {step['rollout_seconds']:6.1f} s "
@@ -602,7 +609,7 @@ def run_arm(arm: str, model_args: dict, trainer_args: dict, args, root: Path, ba
         score_switch_tokens_unrestricted(module)
     data = ProblemRows(args.problems, batch_size=args.prompts, seed=0)
     report = StepReport(arm, args.warmup_steps, min(32, module.sampling.max_new_tokens), bandwidth, args.prompts, args.peak_tflops,
-                        fixed_lengths=args.lengths == "fixed", measured=args.steps)
+                        fixed_lengths=args.lengths == "fixed", measured=args.steps, profiled=int(bool(args.profile_update)))
     lengths = parse_lengths(args.lengths, args.tiny)
     if lengths is not None:  # random weights never end a sequence: each one's budget is its length
         sampling = module.sampling  # (StepReport shortens its max_new_tokens in warm-up steps)
@@ -612,7 +619,9 @@ def run_arm(arm: str, model_args: dict, trainer_args: dict, args, root: Path, ba
     trainer = L.Trainer(
         accelerator=args.device if args.device == "cpu" else "gpu", devices=args.devices, strategy=strategy,
         precision=trainer_args.get("precision", "32-true"),
-        max_steps=(args.warmup_steps + args.steps + bool(args.profile_update)) * updates_per_step, logger=False, enable_checkpointing=False, limit_val_batches=0,
+        # an upper bound: StepReport stops the run after its batches (a partial step may make fewer updates)
+        max_steps=(args.warmup_steps + args.steps + bool(args.profile_update)) * updates_per_step * 4, logger=False,
+        enable_checkpointing=False, limit_val_batches=0,
         num_sanity_val_steps=0, enable_progress_bar=False, enable_model_summary=False, callbacks=[report],
         default_root_dir=str(root / arm),
     )

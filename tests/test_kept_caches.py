@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -54,6 +55,7 @@ def pause_then_resume(engine, prompts, keep: tuple[str, ...], between=None):
     first = engine.generate(prompts, POLICY, SAMPLED, stop)
     paused = [i for i, p in enumerate(first.paused or []) if p is not None]
     assert paused and any(first.paused[i].written > 0 for i in paused)
+    assert (engine.last_timing().keep_s > 0) == bool(keep)
     engine.release()  # the update takes the pool's memory: kept pages must survive it
     if between is not None:
         between()
@@ -67,9 +69,11 @@ def test_a_resumed_sequence_with_kept_caches_writes_what_an_uninterrupted_one_do
     engine = paged_engine(senior, junior, tokenizer)
     prompts = queue_batch(tokenizer, JUNIOR_PROMPTS)
     want = engine.generate(prompts, POLICY, SAMPLED)
-    paused, first, again, timing = pause_then_resume(engine, prompts, keep)
+    stop = StopRule(group=[i // 2 for i in range(prompts.batch_size)], groups=1, keep_caches=keep)
     # those in a slot at the stop keep their caches; one preempted before has no pages to keep
-    first_paused = [first.paused[i] for i in paused if first.paused[i].caches is not None]
+    kept = {i: p.caches for i, p in enumerate(engine.generate(prompts, POLICY, SAMPLED, stop).paused) if p and p.caches}
+    paused, first, again, timing = pause_then_resume(engine, prompts, keep)
+    first_paused = [replace(first.paused[i], caches=kept[i]) for i in paused if i in kept]
     assert first_paused and all(set(p.caches) == set(keep) for p in first_paused)
     for p in first_paused:
         cache = p.caches["junior"]
@@ -77,7 +81,8 @@ def test_a_resumed_sequence_with_kept_caches_writes_what_an_uninterrupted_one_do
         assert cache.keys[0].shape[0] == -(-cache.positions // 4)  # the pages holding its positions, no more
     for j, i in enumerate(paused):
         same_rollout_rows(again, j, want, i)
-    preempted = sum(first.paused[i].written for i in paused if first.paused[i].caches is None)
+    assert all(first.paused[i].caches is None for i in paused), "restored caches are taken, so their host memory goes"
+    preempted = sum(first.paused[i].written for i in paused if i not in kept)
     assert timing.restored_positions == sum(p.caches["junior"].positions for p in first_paused)
     if keep == ("senior", "junior"):
         assert timing.resumed_tokens == preempted, "nothing was prefilled again but what had no cache"
@@ -192,8 +197,11 @@ def test_kept_caches_on_cuda_graphs_and_triton_kernels(tokenizer, kv_cache_dtype
     engine.setup(senior, junior, tokenizer, max_batch=3)
     prompts = queue_batch(tokenizer, JUNIOR_PROMPTS).to("cuda")
     want = engine.generate(prompts, POLICY, SAMPLED)
+    stop = StopRule(group=[i // 2 for i in range(prompts.batch_size)], groups=1, keep_caches=("senior", "junior"))
+    kept = [p.caches for p in engine.generate(prompts, POLICY, SAMPLED, stop).paused if p is not None and p.caches]
+    assert kept and all(c["senior"].keys[0].is_pinned() for c in kept)
+    del kept
     paused, first, again, timing = pause_then_resume(engine, prompts, ("senior", "junior"))
-    assert any(first.paused[i].caches and first.paused[i].caches["senior"].keys[0].is_pinned() for i in paused)
     assert timing.restored_positions > 0
     same = [j for j, i in enumerate(paused) if int(again.lengths[j]) == int(want.lengths[i])
             and torch.equal(again.completion_ids[j, : int(want.lengths[i])], want.completion_ids[i, : int(want.lengths[i])])]

@@ -125,8 +125,10 @@ class EngineTiming:
     preemptions: int | None = None
     resumed_tokens: int | None = None
     # partial rollouts with ``keep_caches``: positions of the paused sequences whose pages went to
-    # host memory, and of the resumed ones whose pages came back (not prefilled again)
+    # host memory and the seconds that took (not in decode_s), and of the resumed ones whose pages
+    # came back (not prefilled again; the copies are in prefill_s)
     kept_positions: int | None = None
+    keep_s: float | None = None
     restored_positions: int | None = None
     kv_pool_tokens: int | None = None
     kv_pool_peak_fraction: float | None = None

@@ -80,6 +80,7 @@ class ContinuousRun:
         self.paused_out: dict[int, PausedSequence] = {}  # after a stop: sequence -> what it wrote
         self.kept: dict[int, dict[str, KeptCache]] = {}  # resumed sequence -> its kept caches, until admitted
         self.kept_positions = 0  # positions of paused sequences whose caches went to host memory
+        self.keep_s = 0.0  # the time that took (host clock: the copies end in a sync)
         self.restored_positions = 0  # positions of resumed sequences copied back instead of prefilled
         self.active: list[str] = []
         self.width = 0
@@ -102,8 +103,8 @@ class ContinuousRun:
                 if paused is not None and paused.state is not None:
                     state = [x.to(buf.slot.device) for x in decoder.fit_state(paused.state)]
                     self.paused[sequence] = (state, paused.tokens.to(buf.slot.device))
-                    if paused.caches:
-                        self.kept[sequence] = paused.caches
+                    if paused.caches:  # taken, not shared: restored, their host memory goes back to the allocator
+                        self.kept[sequence], paused.caches = paused.caches, None
         self.ended = [False] * prompts.batch_size
         self.stopped = False
         decoder.vacate()
@@ -196,7 +197,9 @@ class ContinuousRun:
             for name, values in results.items():
                 values.index_copy_(0, where, out[name][index])
             paused = self.decoder.pause(index)
+            started = time.perf_counter()
             kept = self._keep_caches(live, [p.written for p in paused], [n for n in keep if n in self.active])
+            self.keep_s = time.perf_counter() - started if keep else 0.0
             for slot, sequence, caches in zip(live, paused, kept):
                 sequence.caches = caches
                 self.paused_out[self.table.held[slot]] = sequence
@@ -415,7 +418,7 @@ class ContinuousRun:
         beside = sum(_seconds(a, b) for a, b in zip(self.beside[::2], self.beside[1::2]))
         timing = EngineTiming(
             setup_s=self.setup_s, prefill_s=waited + beside, prefill_beside_s=beside,
-            decode_s=total - waited, decode_steps=self.steps, prompt_width=self.width,
+            decode_s=total - waited - self.keep_s, decode_steps=self.steps, prompt_width=self.width,
             busy_slot_fraction=self.live_steps / max(self.slot_steps, 1), written_tokens=self.live_steps,
             refills=self.refills, refilled_sequences=self.refilled, compactions=self.compactions,
         )
@@ -423,6 +426,7 @@ class ContinuousRun:
             pages = self.table.pages
             timing = replace(timing, preemptions=self.table.preemptions, resumed_tokens=self.resumed_tokens,
                              kept_positions=self.kept_positions, restored_positions=self.restored_positions,
+                             keep_s=self.keep_s,
                              kv_pool_tokens=pages.usable * pages.page_size,
                              kv_pool_peak_fraction=self.peak_pages / pages.usable)
         return timing
