@@ -41,8 +41,10 @@ def pair(tokenizer):
 
 
 def paged_engine(senior, junior, tokenizer, pool_tokens: int = 240):
+    # refills as rows free up, not when the timed rule says: where a call pauses, and so what the
+    # runs compared here resume under moved weights, depends on the seeds only
     engine = FastEngine(kernels="torch", rollout_dtype="float32", check_every=2, kv_cache="paged", kv_page_size=4,
-                        kv_cache_tokens=pool_tokens)
+                        kv_cache_tokens=pool_tokens, refill="eager")
     engine.setup(senior, junior, tokenizer, max_batch=3)
     return engine
 
@@ -50,17 +52,19 @@ def paged_engine(senior, junior, tokenizer, pool_tokens: int = 240):
 def pause_then_resume(engine, prompts, keep: tuple[str, ...], between=None):
     """The first call ends at the first whole pair of rows, the paused rows resume in a second call
     (``between``: run after the first, as a training update would). Returns (paused rows, the
-    first call's rollout, the second's, the second's timing)."""
+    first call's rollout, the second's, the second's timing, and the caches the first kept by row:
+    the resume takes them from the paused sequences)."""
     stop = StopRule(group=[i // 2 for i in range(prompts.batch_size)], groups=1, keep_caches=keep)
     first = engine.generate(prompts, POLICY, SAMPLED, stop)
     paused = [i for i, p in enumerate(first.paused or []) if p is not None]
     assert paused and any(first.paused[i].written > 0 for i in paused)
     assert (engine.last_timing().keep_s > 0) == bool(keep)
+    kept = {i: first.paused[i].caches for i in paused if first.paused[i].caches}
     engine.release()  # the update takes the pool's memory: kept pages must survive it
     if between is not None:
         between()
     again = engine.generate(resumed(prompts.select(paused), [first.paused[i] for i in paused]), POLICY, SAMPLED)
-    return paused, first, again, engine.last_timing()
+    return paused, first, again, engine.last_timing(), kept
 
 
 @pytest.mark.parametrize("keep", [("junior",), ("senior", "junior")], ids=["junior", "both"])
@@ -69,10 +73,8 @@ def test_a_resumed_sequence_with_kept_caches_writes_what_an_uninterrupted_one_do
     engine = paged_engine(senior, junior, tokenizer)
     prompts = queue_batch(tokenizer, JUNIOR_PROMPTS)
     want = engine.generate(prompts, POLICY, SAMPLED)
-    stop = StopRule(group=[i // 2 for i in range(prompts.batch_size)], groups=1, keep_caches=keep)
     # those in a slot at the stop keep their caches; one preempted before has no pages to keep
-    kept = {i: p.caches for i, p in enumerate(engine.generate(prompts, POLICY, SAMPLED, stop).paused) if p and p.caches}
-    paused, first, again, timing = pause_then_resume(engine, prompts, keep)
+    paused, first, again, timing, kept = pause_then_resume(engine, prompts, keep)
     first_paused = [replace(first.paused[i], caches=kept[i]) for i in paused if i in kept]
     assert first_paused and all(set(p.caches) == set(keep) for p in first_paused)
     for p in first_paused:
@@ -106,8 +108,9 @@ def test_the_junior_kept_is_what_its_prefill_would_rebuild_after_the_senior_chan
                     p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
 
         runs[keep] = pause_then_resume(engine, prompts, keep, between=update)
-    paused, _, prefilled, _ = runs[()]
-    _, _, junior_kept, timing = runs[("junior",)]
+    paused, _, prefilled, _, _ = runs[()]
+    assert all(run[0] == paused for run in runs.values()), "each run paused the same rows"
+    _, _, junior_kept, timing, _ = runs[("junior",)]
     assert timing.restored_positions > 0
     for j in range(len(paused)):
         same_rollout_rows(junior_kept, j, prefilled, j)
@@ -128,7 +131,7 @@ def test_kept_caches_survive_a_pool_too_small_to_readmit_them_all(tokenizer):
     def smaller_pool():
         engine.kv_cache_tokens = 60
 
-    paused, _, again, timing = pause_then_resume(engine, prompts, ("junior",), between=smaller_pool)
+    paused, _, again, timing, _ = pause_then_resume(engine, prompts, ("junior",), between=smaller_pool)
     for j, i in enumerate(paused):
         same_rollout_rows(again, j, want, i)
     assert timing.restored_positions > 0 and timing.preemptions > 0
@@ -197,11 +200,8 @@ def test_kept_caches_on_cuda_graphs_and_triton_kernels(tokenizer, kv_cache_dtype
     engine.setup(senior, junior, tokenizer, max_batch=3)
     prompts = queue_batch(tokenizer, JUNIOR_PROMPTS).to("cuda")
     want = engine.generate(prompts, POLICY, SAMPLED)
-    stop = StopRule(group=[i // 2 for i in range(prompts.batch_size)], groups=1, keep_caches=("senior", "junior"))
-    kept = [p.caches for p in engine.generate(prompts, POLICY, SAMPLED, stop).paused if p is not None and p.caches]
-    assert kept and all(c["senior"].keys[0].is_pinned() for c in kept)
-    del kept
-    paused, first, again, timing = pause_then_resume(engine, prompts, ("senior", "junior"))
+    paused, first, again, timing, kept = pause_then_resume(engine, prompts, ("senior", "junior"))
+    assert kept and all(c["senior"].keys[0].is_pinned() for c in kept.values())
     assert timing.restored_positions > 0
     same = [j for j, i in enumerate(paused) if int(again.lengths[j]) == int(want.lengths[i])
             and torch.equal(again.completion_ids[j, : int(want.lengths[i])], want.completion_ids[i, : int(want.lengths[i])])]
