@@ -58,7 +58,7 @@ def engine_phases(timing: EngineTiming | None) -> dict[str, float]:
         phases.update(rollout_preemptions=timing.preemptions, rollout_resumed_tokens=timing.resumed_tokens,
                       rollout_kv_pool_peak_fraction=timing.kv_pool_peak_fraction / calls)
     # ... and partial rollouts' kept caches: positions that went to host memory, and came back
-    if timing.kept_positions is not None:
+    if timing.kept_positions or timing.restored_positions:
         phases.update(rollout_kept_positions=timing.kept_positions, rollout_keep_seconds=timing.keep_s,
                       rollout_restored_positions=timing.restored_positions)
     return phases
