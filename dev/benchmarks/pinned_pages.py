@@ -42,7 +42,6 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    kept = None
     for round_ in range(1, args.rounds + 1):
         kept = None  # the previous pause's copies were restored and given up before this pause
         sync()

@@ -55,7 +55,7 @@ class StopRule:
     groups: int  # complete groups wanted (<= 0: none)
     must_finish: list[bool] | None = None  # per row: it may not be paused
     # the models whose keys and values the engine keeps for the paused rows (host memory), to be
-    # copied back when they resume instead of prefilled (an engine that ``keeps_caches``)
+    # copied back when they resume instead of prefilled (an engine whose ``why_no_kept_caches`` is None)
     keep_caches: tuple[str, ...] = ()
 
     def reached(self, ended: list[bool]) -> bool:

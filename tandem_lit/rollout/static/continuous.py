@@ -23,6 +23,7 @@ admitted: everything on the device is per row, and the host only decides which r
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -82,7 +83,6 @@ class ContinuousRun:
         self.kept_positions = 0  # positions of paused sequences whose caches went to host memory
         self.keep_s = 0.0  # the time that took (host clock: the copies end in a sync)
         self.restored_positions = 0  # positions of resumed sequences copied back instead of prefilled
-        self.active: list[str] = []
         self.width = 0
         self.peak_pages = 0  # paged pool: the most pages held at once
 
@@ -97,7 +97,6 @@ class ContinuousRun:
         still running or waiting paused (``paused_sequences``). Sequences of ``prompts.resume``
         wait as preempted ones do: admitted, they prefill their tokens and go on."""
         decoder, table, buf = self.decoder, self.table, self.buf
-        self.active = active
         if prompts.resumes:
             for sequence, paused in enumerate(prompts.resume):
                 if paused is not None and paused.state is not None:
@@ -137,7 +136,7 @@ class ContinuousRun:
             synced = self._time_chunk(steps, synced)
             self._retire(finished, results)
             if stop is not None and stop.reached(self.ended):
-                self._pause(results, stop.keep_caches)
+                self._pause(results, tuple(name for name in stop.keep_caches if name in active))
                 break
             if table.queue:
                 live = len(table.live)
@@ -198,7 +197,7 @@ class ContinuousRun:
                 values.index_copy_(0, where, out[name][index])
             paused = self.decoder.pause(index)
             started = time.perf_counter()
-            kept = self._keep_caches(live, [p.written for p in paused], [n for n in keep if n in self.active])
+            kept = self._keep_caches(live, [p.written for p in paused], keep)
             self.keep_s = time.perf_counter() - started if keep else 0.0
             for slot, sequence, caches in zip(live, paused, kept):
                 sequence.caches = caches
@@ -213,7 +212,7 @@ class ContinuousRun:
             if sequence not in self.paused_out:  # never admitted: nothing written
                 self.paused_out[sequence] = PausedSequence(0, torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.int8))
 
-    def _keep_caches(self, slots: list[int], written: list[int], names: list[str]) -> list[dict[str, KeptCache] | None]:
+    def _keep_caches(self, slots: list[int], written: list[int], names: tuple[str, ...]) -> list[dict[str, KeptCache] | None]:
         """The paged pool's pages that hold the positions of the sequences in ``slots`` (each its
         prompt and ``written`` tokens), for each model of ``names``, copied to host memory with
         the model's next-token logits: per slot, model name -> ``KeptCache`` (None: none kept)."""
@@ -225,7 +224,7 @@ class ContinuousRun:
         counts = [table.pages.pages_for(p) for p in positions]
         pages = torch.tensor([page for q, c in zip(sequences, counts) for page in table.pages.held[q][:c]],
                              device=self.buf.slot.device)
-        starts = [sum(counts[:i]) for i in range(len(counts))]
+        starts = [0, *itertools.accumulate(counts)][:-1]
         kept: list[dict[str, KeptCache]] = [{} for _ in slots]
         for name in names:
             try:
@@ -324,6 +323,7 @@ class ContinuousRun:
         kept = [self.kept.pop(s, None) for s in sequences]  # all or none (``_admit``'s parts)
         paused = [self.paused.pop(s, None) for s in sequences]
         new = [i for i, saved in enumerate(paused) if saved is None]
+        resumed_tokens = sum(saved[1].numel() for saved in paused if saved is not None)
         if new:
             index = torch.tensor(new, device=device)
             staged.new = (staged.rows[index], group.seeds[index.to(group.seeds.device)],
@@ -334,7 +334,6 @@ class ContinuousRun:
                               [torch.stack(parts) for parts in zip(*(paused[i][0] for i in back))])
             responses = [saved[1] if saved is not None else None for saved in paused]
             inputs = {name: with_responses(ids, mask, responses) for name, (ids, mask) in inputs.items()}
-            resumed_tokens = sum(paused[i][1].numel() for i in back)
         staged.width = width = inputs["senior"][0].shape[1]
         if self.buf.table is None:
             staged.last = [width - 1] * len(slots)
@@ -352,7 +351,7 @@ class ContinuousRun:
                 staged.kept[name] = [k[name] for k in kept]
             else:
                 staged.forwards[name] = self.models[name].prefill_forward(ids, mask)
-        if len(new) < len(sequences) and staged.forwards:  # some model prefilled them again
+        if staged.forwards:  # some model prefilled the resumed ones again
             self.resumed_tokens += resumed_tokens
         if kept[0] is not None:
             self.restored_positions += sum(self.table.start_tokens(s) for s in sequences)
@@ -374,14 +373,16 @@ class ContinuousRun:
         for name, (logits, cache) in staged.forwards.items():
             buf.logits[name][rows] = logits.float()
             self.models[name].store_prefill(cache, rows, staged.placement)
-        for name, caches in staged.kept.items():  # copied back into the pages admission gave them
+        for name, caches in staged.kept.items():
             buf.logits[name][rows] = torch.stack([c.logits for c in caches]).to(rows.device)
-            for sequence, cache in zip(staged.sequences, caches):
-                pages = self.table.pages.held[sequence]
-                if len(pages) != len(cache.keys[0]):
+        for i, sequence in enumerate(staged.sequences if staged.kept else ()):  # into the pages admission gave them
+            pages = self.table.pages.held[sequence]
+            index = torch.tensor(pages, device=rows.device)
+            for name, caches in staged.kept.items():
+                if len(pages) != len(caches[i].keys[0]):
                     raise RuntimeError(f"sequence {sequence} was admitted with {len(pages)} pages for the "
-                                       f"{len(cache.keys[0])} its kept cache holds")
-                self.models[name].load_pages(cache.keys, cache.values, torch.tensor(pages, device=rows.device))
+                                       f"{len(caches[i].keys[0])} its kept cache holds")
+                self.models[name].load_pages(caches[i].keys, caches[i].values, index)
         for slot, bound in zip(staged.slots, staged.last):
             self.table.bound[slot] = bound
 

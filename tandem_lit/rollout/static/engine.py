@@ -256,11 +256,9 @@ class FastEngine(RolloutEngine):
             self.models["junior"] = decoder_model(junior)
             if self.models["junior"].device != self.models["senior"].device:
                 raise ConfigError("FastEngine needs the senior and junior on the same device")
-        if self.kv_cache_dtype == "fp8":
-            for name, model in self.models.items():
-                if not isinstance(model, StaticDecoderModel):
-                    raise ConfigError(f"FastEngine(kv_cache_dtype='fp8') caches plain attention layers only; the {name} is "
-                                      f"{model.config.model_type} (hybrid attention): use kv_cache_dtype: auto")
+        if self.kv_cache_dtype == "fp8" and (hybrid := self._hybrid_model()):
+            raise ConfigError(f"FastEngine(kv_cache_dtype='fp8') caches plain attention layers only; the {hybrid}: "
+                              "use kv_cache_dtype: auto")
         self._set_cache_dtype()
         self._batch: _Batch | None = None
         self._decoders: dict[tuple, TandemDecoder] = {}
@@ -313,10 +311,16 @@ class FastEngine(RolloutEngine):
     def why_no_kept_caches(self) -> str | None:
         if self.kv_cache != "paged":
             return "FastEngine keeps paused sequences' caches in a paged pool only: set the engine's kv_cache: paged"
-        hybrid = [name for name, model in self.models.items() if not isinstance(model, StaticDecoderModel)]
-        if hybrid:
-            return (f"FastEngine keeps paused caches of plain attention models only; the {hybrid[0]} is "
-                    f"{self.models[hybrid[0]].config.model_type} (hybrid attention): set rollout.partial.keep_caches: none")
+        if hybrid := self._hybrid_model():
+            return f"FastEngine keeps paused caches of plain attention models only; the {hybrid}: set rollout.partial.keep_caches: none"
+        return None
+
+    def _hybrid_model(self) -> str | None:
+        """'<name> is <model_type> (hybrid attention)' for the first model with Qwen3.5's hybrid
+        layers, whose caches the 8-bit and kept-cache paths do not handle; None: all are plain."""
+        for name, model in self.models.items():
+            if not isinstance(model, StaticDecoderModel):
+                return f"{name} is {model.config.model_type} (hybrid attention)"
         return None
 
     def kv_cache_bytes(self) -> int | None:
