@@ -235,7 +235,8 @@ class MemoryEstimate:
             fixes.append(
                 f"full weights do not fit {device} whatever the batch: the update alone holds {held / GIB:.0f} GiB of "
                 f"weights, gradients, optimizer state, rollout copy and junior. Train on {more} or train LoRA adapters "
-                "(as configs/rlvr/qwen3_4b_tandem_lora_h100.yaml does for the 4B pair on one 80 GB H100)"
+                "(as configs/rlvr/qwen3_4b_tandem_lora_h100.yaml does for the 4B pair on one 80 GB H100, "
+                "configs/rlvr/qwen35_9b_2b_tandem_lora.yaml for the Qwen3.5 pair on one GPU)"
             )
             lora = ""
         if rollout > capacity:
