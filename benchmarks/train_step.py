@@ -790,8 +790,8 @@ def main() -> None:
             estimate_only(model_args, trainer_args, args, root)
             return
         bandwidth = copy_bandwidth(args.device) if args.device == "cuda" else float("nan")
-        name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-        say(f"# {args.config} on {name} x {args.devices} ({args.strategy or 'one process'}); copy bandwidth {bandwidth / 1e12:.2f} TB/s; {args.prompts} prompts x "
+        device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+        say(f"# {args.config} on {device_name} x {args.devices} ({args.strategy or 'one process'}); copy bandwidth {bandwidth / 1e12:.2f} TB/s; {args.prompts} prompts x "
               f"n={args.n or model_args['rollout']['sampling']['n']} x {args.max_new_tokens or model_args['rollout']['sampling']['max_new_tokens']} "
               f"tokens; lora={args.lora or (model_args.get('lora') or {}).get('r')}")  # --lora's rank, or the config's
         arms = [name for arm in args.arms
@@ -824,7 +824,7 @@ def main() -> None:
                   f"decode_step={mean(fp8, 'decode_step_ms') / mean(auto, 'decode_step_ms'):.2f} "
                   f"mismatch_kl {mean(auto, 'mismatch_kl'):.3g} -> {mean(fp8, 'mismatch_kl'):.3g}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"config": args.config, "device": name, "bandwidth": bandwidth,
+        Path(args.json).write_text(json.dumps({"config": args.config, "device": device_name, "bandwidth": bandwidth,
                                                "args": vars(args), "arms": results}, indent=2))
     peak = max(s["peak_gb"] for r in results.values() for s in r["steps"])
     if {arm.removesuffix(PARTIAL) for arm in results} == {"tandem", "grpo"}:

@@ -21,6 +21,7 @@ def test_train_step_benchmark_tiny(repo_root, tmp_path):
     last = run.stdout.strip().splitlines()[-1]
     assert last.startswith("tandem_over_grpo_step=") and " ideal=" in last and " peak_gb=" in last
     result = json.loads(out.read_text())
+    assert result["device"] == "cpu"  # the machine, not the last arm's name
     for arm in ("tandem", "grpo"):
         (step,) = result["arms"][arm]["steps"]
         assert step["rollout_seconds"] > 0 and step["update_seconds"] > 0 and step["decode_step_ms"] > 0

@@ -222,7 +222,11 @@ def test_an_out_of_memory_names_the_part_of_the_rollout_and_the_setting():
     with pytest.raises(DeviceMemoryError) as err, out_of_memory.phase("update", torch.device("cpu")):
         raise torch.OutOfMemoryError("CUDA out of memory")
     assert "in the update" in str(err.value) and "memory.micro_batch_tokens" in str(err.value)
-    assert "no checkpoint was written" in str(err.value)
+    assert "no checkpoint was written" in str(err.value) and "set memory.gradient_checkpointing: true" in str(err.value)
+    # a run that checkpoints already is not told to (the Qwen3.5 LoRA config's update on an H100, 2026-12-07)
+    with pytest.raises(DeviceMemoryError) as err, out_of_memory.phase("update", torch.device("cpu"), checkpointing=True):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+    assert "memory.micro_batch_tokens" in str(err.value) and "gradient_checkpointing" not in str(err.value)
 
 
 TINY_FIT = ["--config", "configs/gsm8k_tiny.yaml", "--trainer.enable_progress_bar", "false",

@@ -29,8 +29,7 @@ ADVICE = {
                                   "kv_cache_gib: auto sizes the pool from the card",
     "rollout decode": "lower the KV pool (engine.kv_cache_gib / kv_cache_tokens) or rollout.batch_size; "
                       "kv_cache_gib: auto sizes the pool from the card",
-    "update": "lower memory.micro_batch_tokens (tokens one pass holds) or memory.forward_only_pass_scale, or set "
-              "memory.gradient_checkpointing: true",
+    "update": "lower memory.micro_batch_tokens (tokens one pass holds) or memory.forward_only_pass_scale",
     "evaluation": "lower data.eval_batch_size / data.batch_size (rows an evaluation batch rolls out) or the KV pool "
                   "(engine.kv_cache_gib / kv_cache_tokens)",
 }
@@ -59,8 +58,11 @@ def last_checkpoint(trainer) -> str | None:
     return str(resumed) if resumed and Path(str(resumed)).exists() else None
 
 
-def memory_line(phase: str, err: BaseException, device, trainer=None) -> str:
+def memory_line(phase: str, err: BaseException, device, trainer=None, checkpointing: bool | None = None) -> str:
     where = rollout_part(err) if phase == "rollout" else phase
+    advice = ADVICE[where]
+    if where == "update" and not checkpointing:  # (a run that checkpoints already is not told to)
+        advice += ", or set memory.gradient_checkpointing: true"
     held = ""
     if isinstance(device, torch.device) and device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
@@ -68,14 +70,15 @@ def memory_line(phase: str, err: BaseException, device, trainer=None) -> str:
     checkpoint = last_checkpoint(trainer)
     kept = (f"the last checkpoint, {checkpoint}, is intact: resume with --ckpt_path {checkpoint}" if checkpoint
             else "no checkpoint was written before it")
-    return f"CUDA out of memory in the {where}{held}: {ADVICE[where]}; {kept}"
+    return f"CUDA out of memory in the {where}{held}: {advice}; {kept}"
 
 
 @contextmanager
-def phase(name: str, device, trainer=None) -> Iterator[None]:
+def phase(name: str, device, trainer=None, checkpointing: bool | None = None) -> Iterator[None]:
     """Raise ``DeviceMemoryError`` (one line) for a ``torch.OutOfMemoryError`` inside: ``name`` is
-    ``rollout`` (refined to prefill, pool allocation or decode), ``update`` or ``evaluation``."""
+    ``rollout`` (refined to prefill, pool allocation or decode), ``update`` or ``evaluation``;
+    ``checkpointing``: whether the update already runs with gradient checkpointing."""
     try:
         yield
     except torch.OutOfMemoryError as err:
-        raise DeviceMemoryError(memory_line(name, err, device, trainer)) from err
+        raise DeviceMemoryError(memory_line(name, err, device, trainer, checkpointing)) from err

@@ -190,7 +190,7 @@ class TandemModule(EvaluationSteps, L.LightningModule):
             self.rollouts.release()  # the update's activations get the KV caches' memory
         offload_seconds += self.updates.restore_optimizer_state(optimizer)
         self.metrics.rolled_out(self.device)
-        with out_of_memory.phase("update", self.device, self.trainer):
+        with out_of_memory.phase("update", self.device, self.trainer, self.memory.gradient_checkpointing):
             update = None if result is None else self.updates.run(result, self.optimizers(), self.device, world, self.global_step)
         if update is not None:
             self.rollouts.policy_moved(int(update["updates"]))
