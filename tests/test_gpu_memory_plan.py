@@ -56,7 +56,8 @@ def test_each_phase_peak_is_under_its_plan_at_the_one_gpu_configs_shapes(tmp_pat
 
     if torch.cuda.get_device_properties(0).total_memory < 75 * 1024**3:
         pytest.skip("the one-GPU LoRA configs plan for an 80 GB card")
-    senior, junior = (random_folder(name, tmp_path / "models") for name in ONE_GPU_CONFIGS[config])
+    folders = {name: random_folder(name, tmp_path / "models") for name in dict.fromkeys(ONE_GPU_CONFIGS[config])}
+    senior, junior = (folders[name] for name in ONE_GPU_CONFIGS[config])  # (the 4B pairs one folder with itself)
     problems = tmp_path / "train.json"
     problems.write_text(json.dumps([{"problem": f"What is {i} plus {i}?", "answer": str(2 * i)} for i in range(40)]))
     root = tmp_path / "run"
