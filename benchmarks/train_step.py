@@ -191,14 +191,18 @@ def build_module(model_args: dict, arm: str, args, root: Path):
         if not engine["class_path"].endswith("FastEngine"):
             raise SystemExit(f"--kv-cache-dtype sets FastEngine's cache dtype; the {arm} arm runs {engine['class_path']}")
         init["engine"] = dict(engine, init_args=dict(engine.get("init_args") or {}, kv_cache_dtype=kv_dtype))
+    # what draws tokens from a policy the trainer does not compute (8-bit keys and values, or the
+    # senior's keys kept over the update) trains with the objective's correction, which fit requires
+    if kv_dtype == "fp8" and arm != "grpo-vllm" or partial and keep == "both":
+        objective = init["objective"] = dict(init["objective"])
+        objective["init_args"] = dict(objective.get("init_args") or {})
+        if objective["init_args"].get("tis_cap") is None:  # verl's 2.0; a config's own stays
+            objective["init_args"]["tis_cap"] = 2.0
     evaluation = init["evaluation"] = dict(init.get("evaluation") or {}, at_start=False, modes=["senior"])
     init["logging"] = dict(init.get("logging") or {}, completions_every_n_steps=0)
     if partial:  # partial rollouts: more prompt groups in flight than a step trains
         rollout["partial"] = {"in_flight_prompts": args.partial, "max_staleness": args.max_staleness,
                               "keep_caches": keep or "none"}
-        if keep == "both":  # the resumed senior's tokens are corrected as any engine gap (verl's tis_cap)
-            objective = init["objective"] = dict(init["objective"])
-            objective["init_args"] = dict(objective.get("init_args") or {}, tis_cap=2.0)
     if arm in ("grpo", "grpo-vllm"):
         init["handoff"] = {"class_path": "SoloHandoff", "init_args": {"author": "senior"}}
         init.pop("junior", None)
@@ -715,7 +719,8 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8"],
                         help="FastEngine's kv_cache_dtype (default: the config's); fp8: keys and values in 8 bits")
     parser.add_argument("--compare-fp8", action="store_true",
-                        help="also run each arm with FastEngine's 8-bit KV cache (arm+fp8) and print the ratio of its rollout "
+                        help="also run each arm with FastEngine's 8-bit KV cache (arm+fp8; with the objective's tis_cap 2.0 "
+                             "unless the config sets one: fit requires it) and print the ratio of its rollout "
                              "time, decode step and mismatch_kl to the arm's")
     parser.add_argument("--devices", type=int, default=1, help="processes (GPUs); > 1 needs --strategy fsdp")
     parser.add_argument("--strategy", default=None, choices=["fsdp"], help="fsdp: tandem_lit.training.distributed.FSDP2Strategy")

@@ -114,22 +114,43 @@ def test_the_triton_kernels_round_the_cache_as_the_torch_path_does(tokenizer, kv
     torch.testing.assert_close(triton.senior_logprobs[written], plain.senior_logprobs[written], atol=2e-2, rtol=0)
 
 
+FP8_ENGINE = ('{"class_path": "FastEngine", "init_args": {"kernels": "torch", "rollout_dtype": "float32", '
+              '"kv_cache_dtype": "fp8"}}')
+
+
 @pytest.mark.usefixtures("in_repo")
 @pytest.mark.filterwarnings("ignore:No seed found")
 def test_tandem_lit_fit_trains_with_an_8_bit_cache_and_logs_its_gap(tmp_path):
-    """``engine: {class_path: FastEngine, init_args: {kv_cache_dtype: fp8}}`` through the CLI: the
-    step trains, and the engine-vs-trainer gap it logs is the rounding's (above 0, still small)."""
+    """``engine: {class_path: FastEngine, init_args: {kv_cache_dtype: fp8}}`` through the CLI, with
+    the objective's ``tis_cap`` it requires: the step trains, and the engine-vs-trainer gap it logs
+    is the rounding's (above 0, still small)."""
     from tandem_lit.cli import main
     from tests.test_cli import NO_EVAL, QUIET, SMALL
 
     root = tmp_path / "run"
     main(args=["fit", "--config", "configs/gsm8k_tiny.yaml", "--trainer.default_root_dir", str(root), *QUIET, *NO_EVAL,
                *SMALL, "--trainer.max_steps", "1", "--model.init_args.rollout.batch_size", "4",
-               "--model.init_args.engine", '{"class_path": "FastEngine", "init_args": {"kernels": "torch", '
-               '"rollout_dtype": "float32", "kv_cache_dtype": "fp8"}}'])
+               "--model.init_args.objective.init_args.tis_cap", "2.0", "--model.init_args.engine", FP8_ENGINE])
     rows = [json.loads(line) for line in (root / "history.jsonl").read_text().splitlines()]
     (step,) = [row for row in rows if "train/loss" in row]
     assert 0 < step["train/rollout_logp_gap_mean"] < 0.05 and step["train/mismatch_kl"] > 0
+
+
+@pytest.mark.usefixtures("in_repo")
+def test_fit_with_an_8_bit_cache_and_no_correction_is_refused_in_one_line(tmp_path, capsys):
+    """The rounded cache widens the engine-vs-trainer gap (about twelvefold on the H100): training
+    without the objective's ``tis_cap`` stops before the first step, as keep_caches: both does."""
+    from tandem_lit.cli import main
+    from tests.test_cli import NO_EVAL, QUIET, SMALL
+    from tests.test_reliability import assert_one_error_line
+
+    with pytest.raises(SystemExit) as stopped:
+        main(args=["fit", "--config", "configs/gsm8k_tiny.yaml", "--trainer.default_root_dir", str(tmp_path / "run"),
+                   *QUIET, *NO_EVAL, *SMALL, "--trainer.max_steps", "1", "--model.init_args.engine", FP8_ENGINE])
+    assert stopped.value.code == 2
+    assert_one_error_line(capsys.readouterr().err, "engine.kv_cache_dtype: fp8 draws the senior's tokens from keys and "
+                                                   "values rounded to 8 bits")
+    assert not (tmp_path / "run" / "history.jsonl").exists()  # no step ran
 
 
 def test_the_triton_kernel_writes_reads_and_widens_an_8_bit_cache_under_the_interpreter(repo_root):

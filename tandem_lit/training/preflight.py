@@ -15,6 +15,10 @@ measures: each ends the run with one line naming the setting and the fix.
   the type it grades (``Verifier.check_rows``): not a zero reward or an error steps later.
 - **Packed update passes.** ``memory.pack_sequences`` needs a senior whose attention keeps packed
   sequences apart (``rollout.logprobs.check_packable``): refused here, not after the first rollouts.
+- **A rounded KV cache needs a correction.** ``engine.kv_cache_dtype: fp8`` draws the senior's
+  tokens from keys and values rounded to 8 bits, which the trainer's passes never round: the
+  engine-vs-trainer mismatch grows (about twelvefold on the H100, docs/performance.md), so
+  training needs the objective's ``tis_cap``, as ``rollout.partial.keep_caches: both`` does.
 """
 
 from __future__ import annotations
@@ -152,6 +156,14 @@ def phases(module: Any, stage: Stage) -> list[tuple[str, int, str, set[str], str
     return [("evaluation.sampling.max_new_tokens", evaluation.sampling.max_new_tokens, "test", eval_roles, shorten)]
 
 
+def check_rounded_cache(engine: Any, objective: Any) -> None:
+    """An 8-bit KV cache trains only with the objective's truncated importance weights (module docstring)."""
+    if getattr(engine, "kv_cache_dtype", "auto") == "fp8" and getattr(objective, "tis_cap", None) is None:
+        raise ConfigError("engine.kv_cache_dtype: fp8 draws the senior's tokens from keys and values rounded to 8 bits, "
+                          "which the trainer never rounds, so their log-probs differ more than the dtype's: set "
+                          "objective.init_args.tis_cap (verl uses 2.0) to correct them, or kv_cache_dtype: auto")
+
+
 def check(module: Any, stage: Stage) -> None:
     """Everything above for a TandemModule's ``stage``, before its first step (every rank runs it: each reads the
     same data and models)."""
@@ -159,6 +171,8 @@ def check(module: Any, stage: Stage) -> None:
     check_vocabularies(module.senior, module.junior, module.tokenizer, module.junior_tokenizer, names)
     if stage == "fit" and module.memory.pack_sequences:
         check_packable(module.senior)
+    if stage == "fit":
+        check_rounded_cache(module.engine, module.objective)
     models = {"senior": module.senior, "junior": module.junior}
     contexts = {role: context_length(model) for role, model in models.items() if model is not None}
     datamodule = getattr(module._trainer, "datamodule", None) if module._trainer is not None else None

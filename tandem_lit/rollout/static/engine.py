@@ -195,11 +195,11 @@ class FastEngine(RolloutEngine):
         kv_cache_dtype: ``auto`` (default): keys and values cached in the decoded model's dtype.
             ``fp8``: in 8 bits (float8_e4m3fn, scale 1, entries clamped to +-448), as vLLM's
             ``kv_cache_dtype: fp8``: half the memory per token position, so the pool holds twice
-            the positions, and half the bytes a decode step reads, which at long contexts is most
-            of a step. The rollout's log-probs then differ more from the trainer's (which never
-            rounds its keys): watch ``mismatch_kl`` and ``rollout_logp_gap_*``, and set the
-            objective's ``tis_cap``. Plain attention models only (Llama, Mistral, Qwen2, Qwen3),
-            not Qwen3.5's hybrid layers.
+            the positions, and fewer bytes for a decode step to read (on an H100 the step was
+            no shorter yet: docs/partial_rollouts.md). The rollout's log-probs then differ more
+            from the trainer's (which never rounds its keys): training requires the objective's
+            ``tis_cap`` (``training.preflight``); watch ``mismatch_kl`` and ``rollout_logp_gap_*``.
+            Plain attention models only (Llama, Mistral, Qwen2, Qwen3), not Qwen3.5's hybrid layers.
     """
 
     queues_rows = True
