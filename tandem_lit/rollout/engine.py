@@ -236,7 +236,8 @@ class RolloutEngine(ABC):
 
     def kv_cache_bytes(self) -> int | None:
         """Bytes of one cached key or value element, for the memory plan; None: the decoded
-        model's own dtype (``FastEngine(kv_cache_dtype="fp8")``: 1)."""
+        model's own dtype (``FastEngine(kv_cache_dtype="fp8")``: 1). Not None: the cache rounds
+        what the model computed, so training requires the objective's ``tis_cap`` (pre-flight)."""
         return None
 
     def plan_kv_cache(self, budget: KVBudget) -> str | None:

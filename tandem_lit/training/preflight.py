@@ -157,8 +157,10 @@ def phases(module: Any, stage: Stage) -> list[tuple[str, int, str, set[str], str
 
 
 def check_rounded_cache(engine: Any, objective: Any) -> None:
-    """An 8-bit KV cache trains only with the objective's truncated importance weights (module docstring)."""
-    if getattr(engine, "kv_cache_dtype", "auto") == "fp8" and getattr(objective, "tis_cap", None) is None:
+    """An 8-bit KV cache trains only with the objective's truncated importance weights (module
+    docstring): an engine that caches in a dtype of its own (``kv_cache_bytes``) rounds what the
+    model computed."""
+    if engine is not None and engine.kv_cache_bytes() is not None and objective.tis_cap is None:
         raise ConfigError("engine.kv_cache_dtype: fp8 draws the senior's tokens from keys and values rounded to 8 bits, "
                           "which the trainer never rounds, so their log-probs differ more than the dtype's: set "
                           "objective.init_args.tis_cap (verl uses 2.0) to correct them, or kv_cache_dtype: auto")
