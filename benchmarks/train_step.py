@@ -78,6 +78,14 @@ SHAPES = {
 }
 
 
+def shape_config(hub_name: str, **overrides):
+    """The transformers config of ``hub_name``'s shape (``SHAPES``), ``overrides`` on top."""
+    from transformers import AutoConfig
+
+    values = dict(SHAPES[hub_name], **overrides)
+    return AutoConfig.for_model(values.pop("model_type"), **values)
+
+
 class CoinVerifier(Verifier):
     """A deterministic coin on the completion text: mixed rewards for random models, no grading cost."""
 

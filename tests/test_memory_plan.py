@@ -123,11 +123,11 @@ def test_the_lora_configs_fit_an_h100_by_the_plan(config_file):
     shapes (benchmarks/train_step.py's SHAPES): the plan with the pool and prefill that
     ``kv_cache_gib: auto`` gives fits an H100."""
     from jsonargparse import ArgumentParser
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     import tandem_lit.objectives  # noqa: F401  (short class_path names, as in the CLI)
     import tandem_lit.rollout  # noqa: F401
-    from benchmarks.train_step import SHAPES
+    from benchmarks.train_step import shape_config
     from tandem_lit.models import apply_lora
     from tandem_lit.training.module import TandemModule
 
@@ -141,14 +141,10 @@ def test_the_lora_configs_fit_an_h100_by_the_plan(config_file):
     kwargs = {k: namespace.model[k] for k in namespace.model.keys() if "." not in k and not k.startswith("__")}
     module = TandemModule(verifier=None, **kwargs)
     assert module.engine.kv_cache_gib == "auto" and module.lora.r == 16
-
-    def shape(role):
-        fields = dict(SHAPES[init[role]["path"]])
-        return AutoConfig.for_model(fields.pop("model_type"), **fields)
-
     with torch.device("meta"):
-        module.senior = apply_lora(AutoModelForCausalLM.from_config(shape("senior"), dtype=torch.bfloat16), module.lora)
-        module.junior = AutoModelForCausalLM.from_config(shape("junior"), dtype=torch.bfloat16).requires_grad_(False)
+        senior = AutoModelForCausalLM.from_config(shape_config(init["senior"]["path"]), dtype=torch.bfloat16)
+        module.senior = apply_lora(senior, module.lora)
+        module.junior = AutoModelForCausalLM.from_config(shape_config(init["junior"]["path"]), dtype=torch.bfloat16).requires_grad_(False)
     prompts = config["data"]["init_args"]["batch_size"]
 
     def estimate():

@@ -30,11 +30,9 @@ MODELS = {"qwen35-9b": "Qwen/Qwen3.5-9B", "qwen3-4b": "Qwen/Qwen3-4B-Instruct-25
 def config_of(name: str):
     """The real-shape config ``benchmarks/train_step.py`` builds its models from."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from train_step import SHAPES
-    from transformers import AutoConfig
+    from train_step import shape_config
 
-    shape = dict(SHAPES[MODELS[name]])
-    return AutoConfig.for_model(shape.pop("model_type"), **shape)
+    return shape_config(MODELS[name])
 
 
 def saved_bytes(layer: nn.Module, *args, **kwargs) -> int:

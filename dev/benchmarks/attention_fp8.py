@@ -39,8 +39,8 @@ def inputs(batch: int, used: int, page: int, dtype: torch.dtype, device: str, se
     sin = torch.randn(used, HEAD_DIM, generator=gen).to(device, bf16)
     position = torch.full((batch,), used - 1, device=device)
     slot = torch.full((batch,), used - 1, device=device)
-    k = torch.randn(pool_pages, KV_HEADS, page, HEAD_DIM, generator=gen).to(device, bf16).to(dtype if dtype != torch.bfloat16 else bf16)
-    v = torch.randn(pool_pages, KV_HEADS, page, HEAD_DIM, generator=gen).to(device, bf16).to(dtype if dtype != torch.bfloat16 else bf16)
+    cache_dtype = bf16 if dtype == torch.bfloat16 else dtype  # (bf16 stands for the model's dtype)
+    k, v = (torch.randn(pool_pages, KV_HEADS, page, HEAD_DIM, generator=gen).to(device, bf16).to(cache_dtype) for _ in "kv")
     table = torch.randperm(pool_pages - 1, generator=gen)[: batch * pages_per_row].view(batch, pages_per_row) + 1
     valid = torch.ones(batch, pages_per_row * page, dtype=torch.bool, device=device)
     return (q, new_k, new_v, norm, norm, 1e-6, cos, sin, position, slot, k, v, valid, HEAD_DIM**-0.5,

@@ -8,8 +8,9 @@ Each layer type (Qwen3.5: Gated DeltaNet and gated full attention) runs in a pro
 the real width, bf16 weights under bf16 autocast with Qwen3.5's delta rule in float32 (as the
 update runs it); the peak is the process's resident set's high-water mark over the pass (Linux:
 reset through /proc/self/clear_refs) less what it held before (weights, inputs), with glibc's mmap
-threshold pinned so freed tensors leave the resident set at once. Issue 53: the Qwen3.5 LoRA config's first update on an H100 ran out of
-memory well above its plan, whose largest part was a log-prob pass of 32,192 tokens.
+threshold pinned so freed tensors leave the resident set at once. Issue 53: the Qwen3.5 LoRA
+config's first update on an H100 ran out of memory well above its plan, whose largest part was a
+log-prob pass of 32,192 tokens.
 """
 
 from __future__ import annotations
