@@ -68,6 +68,14 @@ CHECK = textwrap.dedent("""
         paged_out = kernels.rope_attention(q, k, v, qn if has_norm else None, kn if has_norm else None, 1e-6,
                                            cos, sin, pos, slot, kp, vp, valid, 0.25, H, KV, D, block_n=4, table=table)
         torch.testing.assert_close(paged_out, out)
+        # split into chunks of 4 and 8 slots (flash-decoding), slot caches and pages: chunks past a
+        # row's slot and chunks with no valid slot merge as empty
+        for split in (4, 8):
+            for caches, pages in (((kc.clone(), vc.clone()), None), paged(kc, vc, page=5)):
+                split_out = kernels.rope_attention(q, k, v, qn if has_norm else None, kn if has_norm else None, 1e-6,
+                                                   cos, sin, pos, slot, *caches, valid, 0.25, H, KV, D, block_n=4,
+                                                   table=pages, split_positions=split)
+                torch.testing.assert_close(split_out, out, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(unpage(kp, table), kc_out)  # the new keys written in their pages
         torch.testing.assert_close(unpage(vp, table), vc_out)
         qh, kh = q.reshape(B, H, D), k.reshape(B, KV, D)

@@ -1,9 +1,17 @@
 """Does the decode-attention kernel read an 8-bit paged cache faster than a bf16 one? Times
 ``rope_attention`` over a paged pool of each dtype at Qwen3-4B's heads, the engine's launch
-settings and the best of a grid, with the bytes each call must read.
+settings and the best of a grid, with the bytes each call must read and the rate at which the card
+copies as many bytes (the bandwidth the kernel could reach).
 
     python dev/benchmarks/attention_fp8.py                      # a GPU: times both dtypes
-    TRITON_INTERPRET=1 python dev/benchmarks/attention_fp8.py --device cpu --batch 2 --used 40   # a CPU check
+    python dev/benchmarks/attention_fp8.py --lengths lognormal  # rows at the partial step's mix of lengths
+    TRITON_INTERPRET=1 python dev/benchmarks/attention_fp8.py --device cpu --batch 2 --used 40 --split-positions 64  # a CPU check
+
+``--lengths uniform`` puts every row at ``--used`` positions; ``lognormal`` draws each row's
+sequence as the issue's step does (prompt of 150, response lognormal with median ``--used`` and
+sigma 0.8, capped at 3,000) and puts the row at a uniformly drawn point of it, as rows in flight
+are: the longest row then sets a floor that the total bytes do not (one program per row and KV
+head walks the row's whole context alone).
 
 Issue 54: in a training step with partial rollouts (123 of 128 rows live) the 8-bit cache left the
 decode step as long as bf16's (docs/partial_rollouts.md). If the kernel alone reads fp8 at about
@@ -24,10 +32,24 @@ HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Qwen3-4B
 ENGINE_DEFAULT = (64, 2, 2)  # rope_attention's block_n, num_warps, num_stages from batch 64 up
 
 
-def inputs(batch: int, used: int, page: int, dtype: torch.dtype, device: str, seed: int = 0) -> tuple:
-    """One decode step's arguments: every row at position ``used - 1`` of its own pages, scattered
-    over the pool in a random order (as a pool is after many refills)."""
+PROMPT, CAP, SIGMA = 150, 3000, 0.8  # the issue's lognormal lengths (docs/partial_rollouts.md)
+
+
+def row_lengths(batch: int, used: int, lengths: str, seed: int = 0) -> torch.Tensor:
+    """Each row's cached positions (its new token included): ``used`` each, or rows at a uniform
+    point of lognormal sequences (see the module docstring)."""
+    if lengths == "uniform":
+        return torch.full((batch,), used)
     gen = torch.Generator(device="cpu").manual_seed(seed)
+    response = (torch.randn(batch, generator=gen) * SIGMA).exp().mul(used).clamp(1, CAP).round()
+    return (PROMPT + (torch.rand(batch, generator=gen) * response).floor()).long() + 1
+
+
+def inputs(length: torch.Tensor, page: int, dtype: torch.dtype, device: str, seed: int = 0) -> tuple:
+    """One decode step's arguments: row ``i`` at position ``length[i] - 1`` of its own pages,
+    scattered over the pool in a random order (as a pool is after many refills)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    batch, used = length.numel(), int(length.max())
     pages_per_row = -(-used // page)
     pool_pages = batch * pages_per_row + 1
     bf16 = torch.bfloat16 if device != "cpu" else torch.float32  # (Triton's CPU interpreter: no bf16 arithmetic)
@@ -37,8 +59,8 @@ def inputs(batch: int, used: int, page: int, dtype: torch.dtype, device: str, se
     norm = torch.ones(HEAD_DIM, device=device, dtype=bf16)
     cos = torch.randn(used, HEAD_DIM, generator=gen).to(device, bf16)
     sin = torch.randn(used, HEAD_DIM, generator=gen).to(device, bf16)
-    position = torch.full((batch,), used - 1, device=device)
-    slot = torch.full((batch,), used - 1, device=device)
+    position = (length - 1).to(device)
+    slot = (length - 1).to(device)
     cache_dtype = bf16 if dtype == torch.bfloat16 else dtype  # (bf16 stands for the model's dtype)
     k, v = (torch.randn(pool_pages, KV_HEADS, page, HEAD_DIM, generator=gen).to(device, bf16).to(cache_dtype) for _ in "kv")
     table = torch.randperm(pool_pages - 1, generator=gen)[: batch * pages_per_row].view(batch, pages_per_row) + 1
@@ -51,22 +73,40 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--batch", type=int, nargs="+", default=[128])
-    parser.add_argument("--used", type=int, nargs="+", default=[1024, 2048], help="cached positions per row")
+    parser.add_argument("--used", type=int, nargs="+", default=[1024, 2048],
+                        help="cached positions per row (uniform), or the responses' median (lognormal)")
+    parser.add_argument("--lengths", choices=("uniform", "lognormal"), default="uniform")
     parser.add_argument("--page", type=int, default=64, help="positions per page (FastEngine's kv_page_size)")
     parser.add_argument("--grid", action="store_true", help="also search block_n x num_warps x num_stages")
+    parser.add_argument("--split-positions", type=int, nargs="*", default=[256, 512, 1024],
+                        help="also time the engine's launch settings with each row split into chunks of this many "
+                             "slots (flash-decoding: rope_attention's split_positions)")
     args = parser.parse_args()
     dtypes = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
     for batch, used in itertools.product(args.batch, args.used):
+        length = row_lengths(batch, used, args.lengths)
+        positions = int(length.sum())
+        print(f"B={batch} {args.lengths} positions: mean {positions / batch:.0f}, longest {int(length.max())}", flush=True)
         outputs = {}
         for name, dtype in dtypes.items():
-            call_args, table = inputs(batch, used, args.page, dtype, args.device)
+            call_args, table = inputs(length, args.page, dtype, args.device)
             run = functools.partial(rope_attention, *call_args, *ENGINE_DEFAULT, table=table)
             outputs[name] = run().float()
+            for split in args.split_positions:  # the same output, split into chunks
+                gap = (rope_attention(*call_args, *ENGINE_DEFAULT, table=table, split_positions=split).float()
+                       - outputs[name]).abs().max().item()
+                print(f"B={batch} positions={used} {name} split {split}: max abs difference from unsplit {gap:.2e}")
             if args.device == "cpu":
                 continue
             import triton.testing
 
-            bytes_read = 2 * batch * KV_HEADS * used * HEAD_DIM * dtype.itemsize  # keys and values
+            bytes_read = 2 * positions * KV_HEADS * HEAD_DIM * dtype.itemsize  # keys and values
+            if name == "bf16":  # what the card copies: as many bytes read (and written) by one clone
+                block = torch.empty(bytes_read, dtype=torch.uint8, device=args.device)
+                copy_ms = triton.testing.do_bench(block.clone, warmup=10, rep=50)
+                print(f"B={batch} positions={used}: copying {bytes_read / 1e9:.2f} GB reads at "
+                      f"{bytes_read / copy_ms / 1e9:.2f} TB/s", flush=True)
+                del block
             settings = [ENGINE_DEFAULT]
             if args.grid:
                 settings += [s for s in itertools.product((32, 64, 128, 256), (2, 4, 8), (1, 2, 3, 4)) if s != ENGINE_DEFAULT]
@@ -81,9 +121,18 @@ def main() -> None:
                 timed.append((ms, block_n, warps, stages))
             default_ms = timed[0][0]
             best = sorted(timed)[:3]
+            longest = inputs(length[length.argmax()].view(1), args.page, dtype, args.device)
+            for split in (None, *args.split_positions):
+                split_ms = triton.testing.do_bench(functools.partial(rope_attention, *call_args, *ENGINE_DEFAULT,
+                                                                     table=table, split_positions=split), warmup=10, rep=50)
+                # the floor the longest row sets: its programs alone
+                alone_ms = triton.testing.do_bench(functools.partial(rope_attention, *longest[0], *ENGINE_DEFAULT,
+                                                                     table=longest[1], split_positions=split), warmup=10, rep=50)
+                print(f"B={batch} positions={used} {name} split {split or 'none'}: {split_ms * 1000:.0f} us "
+                      f"({bytes_read / split_ms / 1e9:.2f} TB/s); the longest row alone {alone_ms * 1000:.0f} us", flush=True)
             print(f"B={batch} positions={used} {name}: engine's n{ENGINE_DEFAULT[0]}/w{ENGINE_DEFAULT[1]}/s{ENGINE_DEFAULT[2]} "
                   f"{default_ms * 1000:.0f} us ({bytes_read / default_ms / 1e9:.2f} TB/s, "
-                  f"{batch * used / default_ms / 1e6:.2f} G positions/s); best: " + "; ".join(
+                  f"{positions / default_ms / 1e6:.2f} G positions/s); best: " + "; ".join(
                       f"n{b}/w{w}/s{s} {ms * 1000:.0f} us ({bytes_read / ms / 1e9:.2f} TB/s)" for ms, b, w, s in best), flush=True)
         gap = (outputs["fp8"] - outputs["bf16"]).abs().max().item()
         print(f"B={batch} positions={used}: fp8 output vs bf16's, max abs difference {gap:.3f}", flush=True)

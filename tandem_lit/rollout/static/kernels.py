@@ -95,11 +95,13 @@ def _rope_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, k_cache_ptr, v_cache_ptr, valid_ptr,
     q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, table_ptr,
     heads, group, d, eps, scale, q_sb, k_sb, v_sb, cache_sb, cache_sh, cache_ss, valid_sb, table_sb,
+    part_out_ptr, part_lse_ptr, chunk, splits,
     HAS_NORM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr,
-    PRECISION: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr,
+    PRECISION: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr, SPLIT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
+    part = tl.program_id(2)  # split: this program's share of the row's slots, [part * chunk, (part + 1) * chunk)
     dtype = out_ptr.dtype.element_ty
     half = d // 2
     offs = tl.arange(0, HALF)[None, :]  # [1, HALF]: every head below is 2-D, [heads, HALF]
@@ -134,22 +136,32 @@ def _rope_attention_kernel(
     # the torch path reads it back)
     k1, k2 = _to_cache(k1, k_cache_ptr, FP8), _to_cache(k2, k_cache_ptr, FP8)
     v1, v2 = _to_cache(v1, v_cache_ptr, FP8), _to_cache(v2, v_cache_ptr, FP8)
-    tl.store(k_cache_ptr + new, k1, mask=mask)
-    tl.store(k_cache_ptr + new + half, k2, mask=mask)
-    tl.store(v_cache_ptr + new, v1, mask=mask)
-    tl.store(v_cache_ptr + new + half, v2, mask=mask)
+    first = part == 0  # the first split writes the new token's K/V and starts from it; no split reads that slot
+    write = mask & (offs * 0 + part == 0)
+    tl.store(k_cache_ptr + new, k1, mask=write)
+    tl.store(k_cache_ptr + new + half, k2, mask=write)
+    tl.store(v_cache_ptr + new, v1, mask=write)
+    tl.store(v_cache_ptr + new + half, v2, mask=write)
     k1, k2, v1, v2 = k1.to(dtype), k2.to(dtype), v1.to(dtype), v2.to(dtype)
-    # online softmax, seeded with the new token (always attendable) from registers
+    # online softmax, seeded with the new token (always attendable) from registers; a later split
+    # starts empty (its running maximum at -inf until a valid slot is seen)
     m = (tl.sum(q1.to(tl.float32) * k1.to(tl.float32), axis=1)
          + tl.sum(q2.to(tl.float32) * k2.to(tl.float32), axis=1)) * scale  # [G]
-    l_sum = tl.full([BLOCK_G], 1.0, tl.float32)
-    acc1 = tl.zeros([BLOCK_G, HALF], tl.float32) + v1.to(tl.float32)
-    acc2 = tl.zeros([BLOCK_G, HALF], tl.float32) + v2.to(tl.float32)
+    m = tl.where(first, m, float("-inf"))
+    l_sum = tl.where(first, tl.full([BLOCK_G], 1.0, tl.float32), 0.0)
+    acc1 = tl.where(first, tl.zeros([BLOCK_G, HALF], tl.float32) + v1.to(tl.float32), 0.0)
+    acc2 = tl.where(first, tl.zeros([BLOCK_G, HALF], tl.float32) + v2.to(tl.float32), 0.0)
     keys = k_cache_ptr + cache
     values = v_cache_ptr + cache
-    for start in range(0, slot, BLOCK_N):
+    if SPLIT:
+        lo = part * chunk
+        hi = tl.minimum(lo + chunk, slot)
+    else:
+        lo = 0
+        hi = slot
+    for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        in_range = n < slot
+        in_range = n < hi
         ok = in_range & (tl.load(valid_ptr + b * valid_sb + n, mask=in_range, other=0) != 0)
         if PAGED:
             page = tl.load(table_ptr + b * table_sb + n // PAGE, mask=in_range, other=0).to(tl.int64)
@@ -163,24 +175,74 @@ def _rope_attention_kernel(
                   + tl.dot(q2, tl.trans(kt2), input_precision=PRECISION)).to(tl.float32) * scale
         scores = tl.where(ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
-        p = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m - m_new)
+        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)  # a split with nothing valid yet: no -inf - -inf
+        p = tl.exp(scores - m_base[:, None])
+        alpha = tl.exp(m - m_base)
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
         vt1 = tl.load(values + tile, mask=tile_mask, other=0.0).to(dtype)
         vt2 = tl.load(values + tile + half, mask=tile_mask, other=0.0).to(dtype)
         acc1 = acc1 * alpha[:, None] + tl.dot(p.to(vt1.dtype), vt1, input_precision=PRECISION).to(tl.float32)
         acc2 = acc2 * alpha[:, None] + tl.dot(p.to(vt2.dtype), vt2, input_precision=PRECISION).to(tl.float32)
         m = m_new
+    if SPLIT:  # this split's normalised output and log-sum-exp, merged by _merge_splits_kernel
+        seen = l_sum > 0
+        l_safe = tl.where(seen, l_sum, 1.0)
+        at = ((b * tl.num_programs(1) + kvh) * splits + part) * BLOCK_G
+        rows = part_out_ptr + (at + g) * (2 * HALF) + offs
+        tl.store(rows, acc1 / l_safe[:, None], mask=qmask)
+        tl.store(rows + HALF, acc2 / l_safe[:, None], mask=qmask)
+        lse_at = at + tl.arange(0, BLOCK_G)
+        tl.store(part_lse_ptr + lse_at, tl.where(seen, m + tl.log(l_safe), float("-inf")),
+                 mask=tl.arange(0, BLOCK_G) < group)
+    else:
+        out = out_ptr + b * heads * d + (kvh * group + g) * d + offs
+        tl.store(out, (acc1 / l_sum[:, None]).to(dtype), mask=qmask)
+        tl.store(out + half, (acc2 / l_sum[:, None]).to(dtype), mask=qmask)
+
+
+@triton.jit
+def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, heads, group, d, splits,
+                         BLOCK_G: tl.constexpr, HALF: tl.constexpr):
+    """The splits of one row and KV head, merged by their log-sum-exps (flash-decoding's
+    second pass): softmax over all the row's slots = the splits' outputs weighted by
+    exp(lse_split - lse_row)."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    half = d // 2
+    offs = tl.arange(0, HALF)[None, :]
+    g = tl.arange(0, BLOCK_G)[:, None]
+    qmask = (g < group) & (offs < half)
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_sum = tl.zeros([BLOCK_G], tl.float32)
+    acc1 = tl.zeros([BLOCK_G, HALF], tl.float32)
+    acc2 = tl.zeros([BLOCK_G, HALF], tl.float32)
+    for part in range(0, splits):
+        at = ((b * tl.num_programs(1) + kvh) * splits + part) * BLOCK_G
+        lse = tl.load(part_lse_ptr + at + tl.arange(0, BLOCK_G), mask=tl.arange(0, BLOCK_G) < group,
+                      other=float("-inf"))
+        rows = part_out_ptr + (at + g) * (2 * HALF) + offs
+        o1 = tl.load(rows, mask=qmask, other=0.0)
+        o2 = tl.load(rows + HALF, mask=qmask, other=0.0)
+        m_new = tl.maximum(m, lse)
+        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_base)
+        w = tl.exp(lse - m_base)
+        l_sum = l_sum * alpha + w
+        acc1 = acc1 * alpha[:, None] + w[:, None] * o1
+        acc2 = acc2 * alpha[:, None] + w[:, None] * o2
+        m = m_new
+    l_safe = tl.where(l_sum > 0, l_sum, 1.0)
     out = out_ptr + b * heads * d + (kvh * group + g) * d + offs
-    tl.store(out, (acc1 / l_sum[:, None]).to(dtype), mask=qmask)
-    tl.store(out + half, (acc2 / l_sum[:, None]).to(dtype), mask=qmask)
+    dtype = out_ptr.dtype.element_ty
+    tl.store(out, (acc1 / l_safe[:, None]).to(dtype), mask=qmask)
+    tl.store(out + half, (acc2 / l_safe[:, None]).to(dtype), mask=qmask)
 
 
 def rope_attention(
     q: Tensor, k: Tensor, v: Tensor, q_norm: Tensor | None, k_norm: Tensor | None, eps: float,
     cos: Tensor, sin: Tensor, position: Tensor, slot: Tensor, k_cache: Tensor, v_cache: Tensor, valid: Tensor,
     scale: float, heads: int, kv_heads: int, head_dim: int, block_n: int | None = None, num_warps: int | None = None,
-    num_stages: int = 2, table: Tensor | None = None,
+    num_stages: int = 2, table: Tensor | None = None, split_positions: int | None = None,
 ) -> Tensor:
     """One new token per sequence: (Qwen3) q/k norm, rotary, K/V written at ``slot``, then
     grouped-query attention over the valid cache slots [0, slot] — one kernel per layer.
@@ -192,27 +254,46 @@ def rope_attention(
     ``s % page_size`` of pool page ``table[row, s // page_size]``. The caches may be 8-bit
     (float8_e4m3fn, ``FastEngine(kv_cache_dtype="fp8")``): written clamped and rounded, read widened
     to q's dtype.
+
+    ``split_positions`` (a multiple of ``block_n``): each row's slots in chunks of that many, one
+    program per chunk, merged by a second kernel (flash-decoding), so a long row is read by several
+    programs at once instead of one; ``None``: one program per row and KV head.
     """
     batch = q.shape[0]
-    if block_n is None or num_warps is None:
-        # tuned with dev/benchmarks/attention_tune.py at Qwen3-4B's heads: from batch 64 up, many
-        # programs are in flight and small ones win; below, each program must pull more bytes
-        block_n, num_warps = (64, 2) if batch >= 64 else (128, 4)
+    # tuned with dev/benchmarks/attention_tune.py at Qwen3-4B's heads: from batch 64 up, many
+    # programs are in flight and small ones win; below, each program must pull more bytes
+    tuned_n, tuned_warps = (64, 2) if batch >= 64 else (128, 4)
+    block_n, num_warps = block_n or tuned_n, num_warps or tuned_warps
     out = torch.empty((batch, heads * head_dim), dtype=q.dtype, device=q.device)
     has_norm = q_norm is not None
     group = heads // kv_heads
-    _rope_attention_kernel[(batch, kv_heads)](
+    block_g, half = max(16, triton.next_power_of_2(group)), max(16, triton.next_power_of_2(head_dim // 2))
+    splits = 1
+    if split_positions is not None:
+        if split_positions % block_n:
+            raise ValueError(f"split_positions ({split_positions}) must be a multiple of block_n ({block_n})")
+        capacity = table.shape[1] * k_cache.shape[2] if table is not None else k_cache.shape[2]  # slots a row may hold
+        splits = triton.cdiv(capacity, split_positions)
+    # each split's output [B, KV, splits, G, D] and log-sum-exp [B, KV, splits, G], in float32
+    part_out = torch.empty((batch, kv_heads, splits, block_g, 2 * half) if splits > 1 else (1,), dtype=torch.float32,
+                           device=q.device)
+    part_lse = torch.empty((batch, kv_heads, splits, block_g) if splits > 1 else (1,), dtype=torch.float32,
+                           device=q.device)
+    _rope_attention_kernel[(batch, kv_heads, splits)](
         q, k, v, out, k_cache, v_cache, valid.view(torch.uint8),
         q_norm if has_norm else q, k_norm if has_norm else k, cos, sin, position, slot,
         table if table is not None else slot,
         heads, group, head_dim, eps, scale, q.stride(0), k.stride(0), v.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), valid.stride(0),
-        table.stride(0) if table is not None else 0, HAS_NORM=has_norm, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        HALF=max(16, triton.next_power_of_2(head_dim // 2)),
+        table.stride(0) if table is not None else 0, part_out, part_lse, split_positions or 0, splits,
+        HAS_NORM=has_norm, BLOCK_G=block_g, BLOCK_N=block_n, HALF=half,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
         PAGED=table is not None, PAGE=k_cache.shape[2] if table is not None else 1,
-        FP8=k_cache.dtype == torch.float8_e4m3fn,
+        FP8=k_cache.dtype == torch.float8_e4m3fn, SPLIT=splits > 1,
     )
+    if splits > 1:
+        _merge_splits_kernel[(batch, kv_heads)](part_out, part_lse, out, heads, group, head_dim, splits,
+                                                BLOCK_G=block_g, HALF=half, num_warps=2)
     return out
 
 
