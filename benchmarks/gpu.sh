@@ -94,13 +94,14 @@ for name in "$@"; do
     # carry fills in the first): rollout seconds, live rows, stale tokens. ARMS="tandem" or "grpo" runs
     # one arm's pair (a pair fills a call on an H100); PARTIAL_ONLY=1 only the partial arm; KV_DTYPE=fp8
     # FastEngine's 8-bit KV cache in both; COMPARE_FP8=1 each arm again with it (arm+fp8), in the same run;
-    # KEEP_CACHES="none junior both": one partial arm per rollout.partial.keep_caches value
+    # KEEP_CACHES="none junior both": one partial arm per rollout.partial.keep_caches value;
+    # ATTENTION_SPLIT=N FastEngine's decode attention in chunks of N slots (attention_split), every arm
     step-partial-lognormal) keep=${KEEP_CACHES:+-keep-${KEEP_CACHES// /-}}
-      tag="${ARMS:+-${ARMS// /-}}${IN_FLIGHT:+-f$IN_FLIGHT}${MAX_STALENESS:+-s$MAX_STALENESS}${KV_DTYPE:+-$KV_DTYPE}${COMPARE_FP8:+-vs-fp8}$keep"
+      tag="${ARMS:+-${ARMS// /-}}${IN_FLIGHT:+-f$IN_FLIGHT}${MAX_STALENESS:+-s$MAX_STALENESS}${KV_DTYPE:+-$KV_DTYPE}${COMPARE_FP8:+-vs-fp8}${ATTENTION_SPLIT:+-split$ATTENTION_SPLIT}$keep"
       stage "$name$tag" 590 "${STEP[@]}" --config "$STEP_CONFIG" --arms ${ARMS:-tandem grpo} \
       --lengths "$LOGNORMAL" --warmup-steps 2 --steps "${MEASURED_STEPS:-3}" --partial "${IN_FLIGHT:-24}" \
       --max-staleness "${MAX_STALENESS:-2}" ${PARTIAL_ONLY:+--partial-only} ${KV_DTYPE:+--kv-cache-dtype $KV_DTYPE} ${COMPARE_FP8:+--compare-fp8} \
-      ${KEEP_CACHES:+--keep-caches $KEEP_CACHES} --json "$OUT/$name$tag.json";;
+      ${KEEP_CACHES:+--keep-caches $KEEP_CACHES} ${ATTENTION_SPLIT:+--attention-split $ATTENTION_SPLIT} --json "$OUT/$name$tag.json";;
     *) echo "unknown stage $name; stages: $STAGES"; exit 2;;
   esac
 done

@@ -199,6 +199,11 @@ def build_module(model_args: dict, arm: str, args, root: Path):
         if not engine["class_path"].endswith("FastEngine"):
             raise SystemExit(f"--kv-cache-dtype sets FastEngine's cache dtype; the {arm} arm runs {engine['class_path']}")
         init["engine"] = dict(engine, init_args=dict(engine.get("init_args") or {}, kv_cache_dtype=kv_dtype))
+    if args.attention_split and arm != "grpo-vllm":  # FastEngine's decode attention in chunks of slots
+        engine = init.get("engine") or {"class_path": "FastEngine"}
+        if not engine["class_path"].endswith("FastEngine"):
+            raise SystemExit(f"--attention-split sets FastEngine's attention; the {arm} arm runs {engine['class_path']}")
+        init["engine"] = dict(engine, init_args=dict(engine.get("init_args") or {}, attention_split=args.attention_split))
     # what draws tokens from a policy the trainer does not compute (8-bit keys and values, or the
     # senior's keys kept over the update) trains with the objective's correction, which fit requires
     if kv_dtype == "fp8" and arm != "grpo-vllm" or partial and keep == "both":
@@ -726,6 +731,8 @@ def main() -> None:
                         help="with --kv-cache paged: the pool's size (default: what the memory plan finds free)")
     parser.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8"],
                         help="FastEngine's kv_cache_dtype (default: the config's); fp8: keys and values in 8 bits")
+    parser.add_argument("--attention-split", type=int, default=None,
+                        help="FastEngine's attention_split: decode attention over chunks of this many slots per program")
     parser.add_argument("--compare-fp8", action="store_true",
                         help="also run each arm with FastEngine's 8-bit KV cache (arm+fp8; with the objective's tis_cap 2.0 "
                              "unless the config sets one: fit requires it) and print the ratio of its rollout "

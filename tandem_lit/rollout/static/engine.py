@@ -200,6 +200,13 @@ class FastEngine(RolloutEngine):
             from the trainer's (which never rounds its keys): training requires the objective's
             ``tis_cap`` (``training.preflight``); watch ``mismatch_kl`` and ``rollout_logp_gap_*``.
             Plain attention models only (Llama, Mistral, Qwen2, Qwen3), not Qwen3.5's hybrid layers.
+        attention_split: ``None`` (default): the Triton decode attention reads each row's cache
+            with one program per KV head, so the longest row's context is read by one program
+            alone; a number (a multiple of 128): slots in chunks of that many, each chunk its own
+            program, merged by a second kernel (flash-decoding). Speed only (the sums are
+            reordered, so tokens may differ in the last bit of a log-prob); whether it pays at
+            long lengths is measured by ``dev/benchmarks/attention_fp8.py``. Plain attention
+            models only.
     """
 
     queues_rows = True
@@ -222,6 +229,7 @@ class FastEngine(RolloutEngine):
         prefill_tokens: int = 16384,
         overlap_prefill: Literal["on", "off"] = "off",
         kv_cache_dtype: Literal["auto", "fp8"] = "auto",
+        attention_split: int | None = None,
     ):
         if refill not in ("amortized", "eager"):
             raise ConfigError(f"refill must be 'amortized' or 'eager', got {refill!r}")
@@ -235,6 +243,9 @@ class FastEngine(RolloutEngine):
         if kv_cache_dtype not in ("auto", "fp8"):
             raise ConfigError(f"kv_cache_dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
         self.kv_cache_dtype = kv_cache_dtype
+        if attention_split is not None and (attention_split < 128 or attention_split % 128):
+            raise ConfigError(f"attention_split must be a multiple of 128 (slots per program) or null, got {attention_split!r}")
+        self.attention_split = attention_split
         check_kv_cache(kv_cache, kv_page_size, kv_cache_tokens, kv_cache_gib)
         self.kv_cache, self.kv_page_size = kv_cache, kv_page_size
         self.kv_cache_tokens, self.kv_cache_gib = kv_cache_tokens, kv_cache_gib
@@ -259,7 +270,10 @@ class FastEngine(RolloutEngine):
         if self.kv_cache_dtype == "fp8" and (hybrid := self._hybrid_model()):
             raise ConfigError(f"FastEngine(kv_cache_dtype='fp8') caches plain attention layers only; the {hybrid}: "
                               "use kv_cache_dtype: auto")
-        self._set_cache_dtype()
+        if self.attention_split is not None and (hybrid := self._hybrid_model()):
+            raise ConfigError(f"FastEngine(attention_split=...) splits plain attention layers only; the {hybrid}: "
+                              "use attention_split: null")
+        self._set_decode_settings()
         self._batch: _Batch | None = None
         self._decoders: dict[tuple, TandemDecoder] = {}
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
@@ -349,7 +363,7 @@ class FastEngine(RolloutEngine):
         self._decoders.clear()  # decoders and graphs hold views of the old buffers
         self._drop_graphs()
         self._batch = None
-        self._set_cache_dtype()  # (again: a benchmark may switch kv_cache_dtype between calls)
+        self._set_decode_settings()  # (again: a benchmark may switch kv_cache_dtype between calls)
         pages = self._pool_pages(capacity, length) if self.kv_cache == "paged" else 0
         for model in self.models.values():
             model.allocate(capacity, length, pages, self.kv_page_size)
@@ -358,10 +372,11 @@ class FastEngine(RolloutEngine):
         self._batch = _Batch(capacity, length, vocab, any_model.device, pages, self.kv_page_size)
         return self._batch
 
-    def _set_cache_dtype(self) -> None:
+    def _set_decode_settings(self) -> None:  # (and the attention's split: both are read when a step is captured)
         for model in self.models.values():
             if isinstance(model, StaticDecoderModel):
                 model.cache_dtype = FP8_CACHE if self.kv_cache_dtype == "fp8" else model.dtype
+                model.split_positions = self.attention_split
 
     def _pool_pages(self, capacity: int, length: int) -> int:
         """Pages of the paged pool, the scratch page included (see ``kv_cache_tokens``)."""

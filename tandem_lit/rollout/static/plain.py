@@ -85,6 +85,7 @@ class StaticDecoderModel:
         weight = self.embed.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.cache_dtype = self.dtype  # the KV caches' (FastEngine's kv_cache_dtype: fp8 sets 8 bits)
+        self.split_positions: int | None = None  # the Triton attention's chunks (FastEngine's attention_split)
         self.k_cache: list[Tensor] = []  # per layer: [B, KV, S, D] slots, or a [pages, KV, page_size, D] pool
         self.v_cache: list[Tensor] = []
         self.page_size = 0  # 0: one cache row per decode row (slots); else the paged pool's page
@@ -255,6 +256,7 @@ class StaticDecoderModel:
                 eps_of(layer.q_norm) if layer.q_norm is not None else 0.0,
                 self.cos, self.sin, position, slot, self.k_cache[i], self.v_cache[i], valid,
                 self.scaling, self.heads, self.kv_heads, self.head_dim, table=table,
+                split_positions=self.split_positions,
             )
             delta = layer.o(attended)
             h = kernels.add_rms_norm(x, delta, layer.post_norm.weight, eps_of(layer.post_norm))
