@@ -4,7 +4,8 @@ attention kernel over an 8-bit cache, slots and paged, against attention written
 The interpreter's float32 -> float8 conversion mis-rounds where the mantissa carries into the
 exponent (-1.97 becomes -1.0; a GPU's conversion does not), so the keys and values are made exactly
 representable first and the rotary table is the identity: every rounding is then exact, and what is
-checked is where the kernel writes, what it reads and how it widens it. Prints the largest error.
+checked is where the kernel writes, what it reads and how it widens it (to q's dtype, and to
+float16 with ``f16_dot``). Prints the largest error of each.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def main() -> None:
     cos, sin = torch.ones(S, D), torch.zeros(S, D)
     position = slot = torch.tensor([5, 19])
     valid = torch.ones(B, S, dtype=torch.bool)
-    worst = 0.0
+    worst = worst_f16 = 0.0
     for paged in (False, True):
         slots = torch.randn(B, KV, S, D).to(FP8_CACHE)  # the earlier tokens' keys/values, as a slot cache
         values = torch.randn(B, KV, S, D).to(FP8_CACHE)
@@ -50,8 +51,13 @@ def main() -> None:
                     v_cache.view(torch.uint8)[table[b, j]] = values[b, :, j * PAGE : (j + 1) * PAGE].view(torch.uint8)
         else:
             table, k_cache, v_cache = None, slots.clone(), values.clone()
+        f16_in = k_cache.clone(), v_cache.clone()
         out = kernels.rope_attention(q, k, v, None, None, 0.0, cos, sin, position, slot, k_cache, v_cache, valid,
                                      D**-0.5, H, KV, D, block_n=8, num_warps=1, table=table)
+        # the same, the products' inputs widened to float16 (q rounded there too)
+        out_f16 = kernels.rope_attention(q, k, v, None, None, 0.0, cos, sin, position, slot, *f16_in, valid,
+                                         D**-0.5, H, KV, D, block_n=8, num_warps=1, table=table, f16_dot=True)
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(f16_in, (k_cache, v_cache)))
         for b in range(B):  # what the kernel should have stored: the new token at its slot
             slots.view(torch.uint8)[b, :, slot[b]] = k[b].view(KV, D).to(FP8_CACHE).view(torch.uint8)
             values.view(torch.uint8)[b, :, slot[b]] = v[b].view(KV, D).to(FP8_CACHE).view(torch.uint8)
@@ -63,7 +69,9 @@ def main() -> None:
             assert torch.equal(stored_k.view(torch.uint8), slots[b, :, slot[b]].view(torch.uint8)), "new key stored wrong"
             assert torch.equal(stored_v.view(torch.uint8), values[b, :, slot[b]].view(torch.uint8)), "new value stored wrong"
         worst = max(worst, (out - reference(q, slots, values, slot)).abs().max().item())
+        worst_f16 = max(worst_f16, (out_f16 - reference(q.half().float(), slots, values, slot)).abs().max().item())
     print(f"largest error {worst:.3g}")
+    print(f"float16 products: largest error {worst_f16:.3g}")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 
@@ -268,3 +269,19 @@ def test_train_step_switch_scoring_unrestricted_shows_the_mismatch_the_as_drawn_
         assert all(0 < step["mismatch_ess"] <= 1 for step in steps)
     assert kl["as-drawn"] == [0.0, 0.0, 0.0]
     assert max(kl["unrestricted"]) > 0.01, kl  # (a step whose rollouts drew no restricted switch has none)
+
+
+def test_attention_fp8_checks_each_variant_and_split_under_the_interpreter(repo_root):
+    """dev/benchmarks/attention_fp8.py's CPU check (Triton's interpreter): rows at the lognormal mix,
+    every cache variant and split size run, and a split row's output is the unsplit one's."""
+    pytest.importorskip("triton")
+    run = subprocess.run([sys.executable, "dev/benchmarks/attention_fp8.py", "--device", "cpu", "--batch", "3", "--used", "40",
+                          "--lengths", "lognormal", "--split-positions", "64", "128"],
+                         cwd=repo_root, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(repo_root)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    splits = [line for line in run.stdout.splitlines() if "from unsplit" in line]
+    assert len(splits) == 6  # 3 variants x 2 sizes
+    for line in splits:  # float16 softmax weights round against each chunk's own maximum: a little apart
+        assert float(line.rsplit(" ", 1)[1]) < (1e-3 if "f16dot" in line else 1e-5), line
+    assert "lognormal positions: mean" in run.stdout and "fp8+f16dot output vs bf16's" in run.stdout

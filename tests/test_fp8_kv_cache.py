@@ -166,7 +166,9 @@ def test_the_triton_kernel_writes_reads_and_widens_an_8_bit_cache_under_the_inte
     run = subprocess.run([sys.executable, "tests/interpret_fp8_attention.py"], cwd=repo_root, capture_output=True, text=True,
                          timeout=300, env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(repo_root)})
     assert run.returncode == 0, run.stderr[-3000:]
-    assert float(run.stdout.split("largest error")[1]) < 1e-5
+    assert float(run.stdout.split("largest error")[1].splitlines()[0]) < 1e-5
+    # q in float16 (the reference's q too) and the softmax weights rounded to float16 (not in the reference)
+    assert float(run.stdout.split("float16 products: largest error")[1]) < 2e-3
 
 
 def test_the_train_step_benchmark_runs_each_arm_again_with_the_8_bit_cache(repo_root):

@@ -98,11 +98,13 @@ def _rope_attention_kernel(
     part_out_ptr, part_lse_ptr, chunk, splits,
     HAS_NORM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr,
     PRECISION: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr, SPLIT: tl.constexpr,
+    F16_DOT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     part = tl.program_id(2)  # split: this program's share of the row's slots, [part * chunk, (part + 1) * chunk)
     dtype = out_ptr.dtype.element_ty
+    dot = tl.float16 if F16_DOT else dtype  # the products' inputs (F16_DOT: an 8-bit cache widened to float16)
     half = d // 2
     offs = tl.arange(0, HALF)[None, :]  # [1, HALF]: every head below is 2-D, [heads, HALF]
     mask = offs < half
@@ -118,7 +120,7 @@ def _rope_attention_kernel(
     q_rows = q_ptr + b * q_sb + (kvh * group + g) * d + offs
     q1, q2 = _norm_rope(tl.load(q_rows, mask=qmask, other=0.0).to(tl.float32),
                         tl.load(q_rows + half, mask=qmask, other=0.0).to(tl.float32),
-                        q_norm_ptr, offs, mask, half, d, eps, c1, c2, s1, s2, HAS_NORM, dtype)
+                        q_norm_ptr, offs, mask, half, d, eps, c1, c2, s1, s2, HAS_NORM, dot)
     k_row = k_ptr + b * k_sb + kvh * d + offs
     k1, k2 = _norm_rope(tl.load(k_row, mask=mask, other=0.0).to(tl.float32),
                         tl.load(k_row + half, mask=mask, other=0.0).to(tl.float32),
@@ -142,7 +144,7 @@ def _rope_attention_kernel(
     tl.store(k_cache_ptr + new + half, k2, mask=write)
     tl.store(v_cache_ptr + new, v1, mask=write)
     tl.store(v_cache_ptr + new + half, v2, mask=write)
-    k1, k2, v1, v2 = k1.to(dtype), k2.to(dtype), v1.to(dtype), v2.to(dtype)
+    k1, k2, v1, v2 = k1.to(dot), k2.to(dot), v1.to(dot), v2.to(dot)
     # online softmax, seeded with the new token (always attendable) from registers; a later split
     # starts empty (its running maximum at -inf until a valid slot is seen)
     m = (tl.sum(q1.to(tl.float32) * k1.to(tl.float32), axis=1)
@@ -169,8 +171,8 @@ def _rope_attention_kernel(
         else:
             tile = n[:, None] * cache_ss + offs
         tile_mask = in_range[:, None] & mask
-        kt1 = tl.load(keys + tile, mask=tile_mask, other=0.0).to(dtype)
-        kt2 = tl.load(keys + tile + half, mask=tile_mask, other=0.0).to(dtype)
+        kt1 = tl.load(keys + tile, mask=tile_mask, other=0.0).to(dot)
+        kt2 = tl.load(keys + tile + half, mask=tile_mask, other=0.0).to(dot)
         scores = (tl.dot(q1, tl.trans(kt1), input_precision=PRECISION)
                   + tl.dot(q2, tl.trans(kt2), input_precision=PRECISION)).to(tl.float32) * scale
         scores = tl.where(ok[None, :], scores, float("-inf"))
@@ -179,8 +181,8 @@ def _rope_attention_kernel(
         p = tl.exp(scores - m_base[:, None])
         alpha = tl.exp(m - m_base)
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        vt1 = tl.load(values + tile, mask=tile_mask, other=0.0).to(dtype)
-        vt2 = tl.load(values + tile + half, mask=tile_mask, other=0.0).to(dtype)
+        vt1 = tl.load(values + tile, mask=tile_mask, other=0.0).to(dot)
+        vt2 = tl.load(values + tile + half, mask=tile_mask, other=0.0).to(dot)
         acc1 = acc1 * alpha[:, None] + tl.dot(p.to(vt1.dtype), vt1, input_precision=PRECISION).to(tl.float32)
         acc2 = acc2 * alpha[:, None] + tl.dot(p.to(vt2.dtype), vt2, input_precision=PRECISION).to(tl.float32)
         m = m_new
@@ -242,7 +244,7 @@ def rope_attention(
     q: Tensor, k: Tensor, v: Tensor, q_norm: Tensor | None, k_norm: Tensor | None, eps: float,
     cos: Tensor, sin: Tensor, position: Tensor, slot: Tensor, k_cache: Tensor, v_cache: Tensor, valid: Tensor,
     scale: float, heads: int, kv_heads: int, head_dim: int, block_n: int | None = None, num_warps: int | None = None,
-    num_stages: int = 2, table: Tensor | None = None, split_positions: int | None = None,
+    num_stages: int = 2, table: Tensor | None = None, split_positions: int | None = None, f16_dot: bool = False,
 ) -> Tensor:
     """One new token per sequence: (Qwen3) q/k norm, rotary, K/V written at ``slot``, then
     grouped-query attention over the valid cache slots [0, slot] — one kernel per layer.
@@ -257,8 +259,12 @@ def rope_attention(
 
     ``split_positions`` (a multiple of ``block_n``): each row's slots in chunks of that many, one
     program per chunk, merged by a second kernel (flash-decoding), so a long row is read by several
-    programs at once instead of one; ``None``: one program per row and KV head.
+    programs at once instead of one; ``None``: one program per row and KV head. ``f16_dot`` (an
+    8-bit cache only): the products take float16 inputs, to which e4m3 widens in one instruction
+    pair on a GPU, instead of q's dtype (a benchmark's variant: dev/benchmarks/attention_fp8.py).
     """
+    if f16_dot and k_cache.dtype != torch.float8_e4m3fn:
+        raise ValueError("f16_dot reads an 8-bit cache only")
     batch = q.shape[0]
     # tuned with dev/benchmarks/attention_tune.py at Qwen3-4B's heads: from batch 64 up, many
     # programs are in flight and small ones win; below, each program must pull more bytes
@@ -289,7 +295,7 @@ def rope_attention(
         HAS_NORM=has_norm, BLOCK_G=block_g, BLOCK_N=block_n, HALF=half,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
         PAGED=table is not None, PAGE=k_cache.shape[2] if table is not None else 1,
-        FP8=k_cache.dtype == torch.float8_e4m3fn, SPLIT=splits > 1,
+        FP8=k_cache.dtype == torch.float8_e4m3fn, SPLIT=splits > 1, F16_DOT=f16_dot,
     )
     if splits > 1:
         _merge_splits_kernel[(batch, kv_heads)](part_out, part_lse, out, heads, group, head_dim, splits,
