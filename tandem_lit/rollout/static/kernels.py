@@ -189,7 +189,7 @@ def _rope_attention_kernel(
     if SPLIT:  # this split's normalised output and log-sum-exp, merged by _merge_splits_kernel
         seen = l_sum > 0
         l_safe = tl.where(seen, l_sum, 1.0)
-        at = ((b * tl.num_programs(1) + kvh) * splits + part) * BLOCK_G
+        at = ((b * tl.num_programs(1) + kvh) * splits + part) * group  # this split's [G] rows
         rows = part_out_ptr + (at + g) * (2 * HALF) + offs
         tl.store(rows, acc1 / l_safe[:, None], mask=qmask)
         tl.store(rows + HALF, acc2 / l_safe[:, None], mask=qmask)
@@ -219,7 +219,7 @@ def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, heads, group, d, s
     acc1 = tl.zeros([BLOCK_G, HALF], tl.float32)
     acc2 = tl.zeros([BLOCK_G, HALF], tl.float32)
     for part in range(0, splits):
-        at = ((b * tl.num_programs(1) + kvh) * splits + part) * BLOCK_G
+        at = ((b * tl.num_programs(1) + kvh) * splits + part) * group
         lse = tl.load(part_lse_ptr + at + tl.arange(0, BLOCK_G), mask=tl.arange(0, BLOCK_G) < group,
                       other=float("-inf"))
         rows = part_out_ptr + (at + g) * (2 * HALF) + offs
@@ -280,10 +280,10 @@ def rope_attention(
             raise ValueError(f"split_positions ({split_positions}) must be a multiple of block_n ({block_n})")
         capacity = table.shape[1] * k_cache.shape[2] if table is not None else k_cache.shape[2]  # slots a row may hold
         splits = triton.cdiv(capacity, split_positions)
-    # each split's output [B, KV, splits, G, D] and log-sum-exp [B, KV, splits, G], in float32
-    part_out = torch.empty((batch, kv_heads, splits, block_g, 2 * half) if splits > 1 else (1,), dtype=torch.float32,
+    # each split's output [B, KV, splits, G, 2 * HALF] and log-sum-exp [B, KV, splits, G], in float32
+    part_out = torch.empty((batch, kv_heads, splits, group, 2 * half) if splits > 1 else (1,), dtype=torch.float32,
                            device=q.device)
-    part_lse = torch.empty((batch, kv_heads, splits, block_g) if splits > 1 else (1,), dtype=torch.float32,
+    part_lse = torch.empty((batch, kv_heads, splits, group) if splits > 1 else (1,), dtype=torch.float32,
                            device=q.device)
     _rope_attention_kernel[(batch, kv_heads, splits)](
         q, k, v, out, k_cache, v_cache, valid.view(torch.uint8),
