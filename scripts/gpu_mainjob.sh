@@ -87,6 +87,7 @@ stage() {  # name, seconds allowed, command...
 }
 
 report_steps() {  # history.jsonl, stage: each step's seconds and each phase's peak against the memory plan (GiB)
+  [ -f "$1" ] || { echo "no $1: the run ended before its report" | tee -a "$OUT/$2.txt"; return; }
   $PY - "$1" <<'EOF' | tee -a "$OUT/$2.txt"
 import json, sys
 for row in map(json.loads, open(sys.argv[1])):
@@ -139,6 +140,7 @@ for name in "$@"; do
       fit_args || exit 1
       stage fit 590 $PY -m tandem_lit fit "${fit_args[@]}" --trainer.max_steps $((STEPS * updates_per_step))
       cp "$RUN/history.jsonl" "$OUT/fit_history.jsonl" 2>/dev/null
+      cp "$RUN/out_of_memory.txt" "$OUT/fit_out_of_memory.txt" 2>/dev/null  # a CUDA out-of-memory's traceback and allocator state
       report_steps "$RUN/history.jsonl" fit
       cp "$RUN/summary.json" "$OUT/fit_summary.json" 2>/dev/null
       ls -l "$RUN/checkpoints" > "$OUT/fit_checkpoints.txt" 2>&1;;
@@ -147,6 +149,7 @@ for name in "$@"; do
       stage resume 590 $PY -m tandem_lit fit "${fit_args[@]}" --trainer.max_steps $(((STEPS + 1) * updates_per_step)) \
         --ckpt_path "$RUN/checkpoints/last.ckpt"
       cp "$RUN/history.jsonl" "$OUT/resume_history.jsonl" 2>/dev/null
+      cp "$RUN/out_of_memory.txt" "$OUT/resume_out_of_memory.txt" 2>/dev/null
       report_steps "$RUN/history.jsonl" resume;;
     ckpt-io)
       stage ckpt-io 300 $PY - "$RUN/checkpoints/last.ckpt" <<'EOF'

@@ -221,8 +221,10 @@ def test_an_out_of_memory_names_the_part_of_the_rollout_and_the_setting():
     assert "no checkpoint was written" in str(err.value) and "set memory.gradient_checkpointing: true" in str(err.value)
     # a run that checkpoints already is not told to (the Qwen3.5 LoRA config's update on an H100, 2026-12-07)
     with pytest.raises(DeviceMemoryError) as err, out_of_memory.phase("update", torch.device("cpu"), checkpointing=True):
-        raise torch.OutOfMemoryError("CUDA out of memory")
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.50 GiB. GPU 0 has a total capacity ...")
     assert "memory.micro_batch_tokens" in str(err.value) and "gradient_checkpointing" not in str(err.value)
+    assert "in the update (a request of 1.50 GiB): " in str(err.value)
+    assert "traceback and allocator state" not in str(err.value)  # no trainer, no run folder: no report
 
 
 TINY_FIT = ["--config", "configs/gsm8k_tiny.yaml", "--trainer.enable_progress_bar", "false",
@@ -261,3 +263,7 @@ def test_a_cuda_out_of_memory_in_fit_ends_in_one_line_and_keeps_the_last_checkpo
         assert "CUDA out of memory in the update" in lines[0] and "memory.micro_batch_tokens" in lines[0]
     assert f"resume with --ckpt_path {last}" in lines[0]
     assert last.read_bytes() == saved  # the step cut short wrote nothing over it
+    # the request that failed in the line; the traceback beside the run, named by the line
+    assert "(a request of 20.00 GiB)" in lines[0] and lines[0].endswith(f"(traceback and allocator state: {root / 'out_of_memory.txt'})")
+    report = (root / "out_of_memory.txt").read_text()
+    assert report.startswith("CUDA out of memory in the ") and "Traceback" in report and "Tried to allocate 20.00 GiB" in report

@@ -3,12 +3,16 @@
 The memory plan (``training.memory``) stops a run that would not fit before its first step; what
 it does not foresee still ends as ``torch.OutOfMemoryError`` deep inside a forward. ``phase``
 turns that into a ``DeviceMemoryError`` naming where (rollout prefill, rollout decode, update,
-evaluation) and what to lower. Nothing is saved on the way out: the last checkpoint stays the one
-written after the last finished step (a step cut short is not a state to resume from).
+evaluation) and what to lower, with the request that failed and what PyTorch held. The traceback
+and the allocator's state at that moment go to ``out_of_memory.txt`` in the run folder, for what a
+line cannot say (which tensors held the memory). Nothing else is saved on the way out: the last
+checkpoint stays the one written after the last finished step (a step cut short is not a state to
+resume from).
 """
 
 from __future__ import annotations
 
+import re
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,6 +21,9 @@ from pathlib import Path
 import torch
 
 from tandem_lit.errors import DeviceMemoryError
+from tandem_lit.write_faults import write_atomically
+
+REPORT = "out_of_memory.txt"  # in the run folder
 
 # functions of the engines' prefill path (FastEngine's refill: continuous.py -> plain.py / hybrid.py -> blocks.py)
 PREFILL_FRAMES = {"_admit", "_prefill_forward", "prefill_forward", "prefill_with_cache", "prefill", "_place", "store_prefill"}
@@ -63,10 +70,14 @@ def memory_line(phase: str, err: BaseException, device, trainer=None, checkpoint
     advice = ADVICE[where]
     if where == "update" and not checkpointing:  # (a run that checkpoints already is not told to)
         advice += ", or set memory.gradient_checkpointing: true"
-    held = ""
+    held = []
+    if request := re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", str(err)):
+        held.append(f"a request of {request.group(1)}")
     if isinstance(device, torch.device) and device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
-        held = f" ({torch.cuda.memory_reserved(device) / 1024**3:.1f} of {total / 1024**3:.1f} GiB reserved by PyTorch)"
+        held.append(f"{torch.cuda.memory_allocated(device) / 1024**3:.1f} GiB allocated, "
+                    f"{torch.cuda.memory_reserved(device) / 1024**3:.1f} of {total / 1024**3:.1f} GiB reserved by PyTorch")
+    held = f" ({'; '.join(held)})" if held else ""
     checkpoint = last_checkpoint(trainer)
     kept = (f"the last checkpoint, {checkpoint}, is intact: resume with --ckpt_path {checkpoint}" if checkpoint
             else "no checkpoint was written before it")
@@ -81,4 +92,25 @@ def phase(name: str, device, trainer=None, checkpointing: bool | None = None) ->
     try:
         yield
     except torch.OutOfMemoryError as err:
-        raise DeviceMemoryError(memory_line(name, err, device, trainer, checkpointing)) from err
+        line = memory_line(name, err, device, trainer, checkpointing)
+        if report := write_report(line, err, device, trainer):
+            line += f" (traceback and allocator state: {report})"
+        raise DeviceMemoryError(line) from err
+
+
+def write_report(line: str, err: BaseException, device, trainer) -> Path | None:
+    """``REPORT`` in the run folder: the line, the traceback and (on CUDA) the allocator's summary
+    as the error left it. None where there is no run folder or it cannot be written (the one line
+    still goes out)."""
+    folder = getattr(trainer, "default_root_dir", None)
+    if folder is None or not Path(folder).is_dir():
+        return None
+    parts = [line, "".join(traceback.format_exception(err))]
+    if isinstance(device, torch.device) and device.type == "cuda":
+        parts.append(torch.cuda.memory_summary(device))
+    path = Path(folder) / REPORT
+    try:
+        write_atomically(path, "\n\n".join(parts))
+    except OSError:  # (RunWriteError is one: a full or read-only disk)
+        return None
+    return path
