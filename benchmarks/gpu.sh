@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 STAGES="gpu-tests rollout-fixed rollout-fixed-1024 rollout-fixed-qwen35 rollout-lognormal-64 rollout-lognormal-128
 rollout-lognormal-paged rollout-lognormal-fp8 rollout-lognormal-qwen35-solo rollout-lognormal-qwen35-tandem step-tandem-fixed step-lognormal
 step-grpo-lognormal step-grpo-lognormal-packed step-qlora-fixed step-grpo-config step-grpo-vllm step-qwen35-lora
-step-switch-unrestricted step-partial-lognormal"
+step-switch-unrestricted step-partial-lognormal attention-kernel-lognormal attention-kernel-uniform"
 if [ $# -eq 0 ]; then echo "stages:" $STAGES; exit 0; fi
 OUT=${OUT:?set OUT to a folder for the logs}
 TOKENIZER=${TOKENIZER:-../shared/models/qwen3-tokenizer}
@@ -102,6 +102,12 @@ for name in "$@"; do
       --lengths "$LOGNORMAL" --warmup-steps 2 --steps "${MEASURED_STEPS:-3}" --partial "${IN_FLIGHT:-24}" \
       --max-staleness "${MAX_STALENESS:-2}" ${PARTIAL_ONLY:+--partial-only} ${KV_DTYPE:+--kv-cache-dtype $KV_DTYPE} ${COMPARE_FP8:+--compare-fp8} \
       ${KEEP_CACHES:+--keep-caches $KEEP_CACHES} ${ATTENTION_SPLIT:+--attention-split $ATTENTION_SPLIT} --json "$OUT/$name$tag.json";;
+    # the decode-attention kernel alone: bf16 and 8-bit pools (widened to bf16 or float16), unsplit and split, rows at
+    # the partial step's lognormal mix (128 and 64 of them) or all at one length
+    attention-kernel-lognormal) stage "$name" 300 python3 benchmarks/attention_kernel.py --lengths lognormal --used 1000 \
+      --batch 128 64 --json "$OUT/$name.json";;
+    attention-kernel-uniform) stage "$name" 300 python3 benchmarks/attention_kernel.py --batch 128 --used 1024 2048 \
+      --json "$OUT/$name.json";;
     *) echo "unknown stage $name; stages: $STAGES"; exit 2;;
   esac
 done

@@ -28,6 +28,8 @@ FORMATS = {
     "tok/s": lambda v: f"{v:,.0f}",
     "s": lambda v: f"{v:.1f} s",
     "ms": lambda v: f"{v:.1f} ms",
+    "us": lambda v: f"{v:.0f} µs",
+    "TB/s": lambda v: f"{v:.2f} TB/s",
     "GiB": lambda v: f"{v:.1f} GiB",
     "%": lambda v: f"{100 * v:.1f}%",
     "int": lambda v: f"{v:,.0f}",

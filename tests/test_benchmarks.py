@@ -271,11 +271,11 @@ def test_train_step_switch_scoring_unrestricted_shows_the_mismatch_the_as_drawn_
     assert max(kl["unrestricted"]) > 0.01, kl  # (a step whose rollouts drew no restricted switch has none)
 
 
-def test_attention_fp8_checks_each_variant_and_split_under_the_interpreter(repo_root):
-    """dev/benchmarks/attention_fp8.py's CPU check (Triton's interpreter): rows at the lognormal mix,
+def test_attention_kernel_checks_each_variant_and_split_under_the_interpreter(repo_root):
+    """benchmarks/attention_kernel.py's CPU check (Triton's interpreter): rows at the lognormal mix,
     every cache variant and split size run, and a split row's output is the unsplit one's."""
     pytest.importorskip("triton")
-    run = subprocess.run([sys.executable, "dev/benchmarks/attention_fp8.py", "--device", "cpu", "--batch", "3", "--used", "40",
+    run = subprocess.run([sys.executable, "benchmarks/attention_kernel.py", "--device", "cpu", "--batch", "3", "--used", "40",
                           "--lengths", "lognormal", "--split-positions", "64", "128"],
                          cwd=repo_root, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(repo_root)})

@@ -186,3 +186,15 @@ def test_the_train_step_benchmark_runs_each_arm_again_with_the_8_bit_cache(repo_
     ratio = next(line for line in run.stdout.splitlines() if line.startswith("grpo_fp8_over_auto_rollout="))
     kl = ratio.split("mismatch_kl ")[1].split(" -> ")
     assert float(kl[0]) == 0 and float(kl[1]) > 0  # float32 rollouts on the CPU: exact, then the rounding's
+
+
+def test_the_triton_step_takes_float16_products_over_an_8_bit_cache_of_a_16_bit_model_only(tokenizer):
+    """Widened to bf16 the 8-bit cache made the kernel slower than a bf16 cache (docs/performance.md):
+    a 16-bit model's Triton step widens it to float16; a float32 model keeps float32 products, and
+    a cache of the model's own dtype is read as it is."""
+    senior = build("qwen3", len(tokenizer), 64, 2, seed=0)
+    for dtype, kv_cache_dtype, expected in ((torch.bfloat16, "fp8", True), (torch.float16, "fp8", True),
+                                            (torch.float32, "fp8", False), (torch.bfloat16, "auto", False)):
+        engine = FastEngine(kernels="torch", rollout_dtype="auto", kv_cache_dtype=kv_cache_dtype)  # (auto: the model's dtype here)
+        engine.setup(senior.to(dtype), None, tokenizer)
+        assert engine.models["senior"].f16_products is expected, (dtype, kv_cache_dtype)

@@ -195,8 +195,9 @@ class FastEngine(RolloutEngine):
         kv_cache_dtype: ``auto`` (default): keys and values cached in the decoded model's dtype.
             ``fp8``: in 8 bits (float8_e4m3fn, scale 1, entries clamped to +-448), as vLLM's
             ``kv_cache_dtype: fp8``: half the memory per token position, so the pool holds twice
-            the positions, and fewer bytes for a decode step to read (on an H100 the step was
-            no shorter yet: docs/partial_rollouts.md). The rollout's log-probs then differ more
+            the positions, and fewer bytes for a decode step to read (the Triton kernel widens them
+            to float16 for a 16-bit model: widened to bf16 it was no faster than a bf16 cache,
+            docs/performance.md). The rollout's log-probs then differ more
             from the trainer's (which never rounds its keys): training requires the objective's
             ``tis_cap`` (``training.preflight``); watch ``mismatch_kl`` and ``rollout_logp_gap_*``.
             Plain attention models only (Llama, Mistral, Qwen2, Qwen3), not Qwen3.5's hybrid layers.
@@ -204,9 +205,9 @@ class FastEngine(RolloutEngine):
             with one program per KV head, so the longest row's context is read by one program
             alone; a number (a multiple of 128): slots in chunks of that many, each chunk its own
             program, merged by a second kernel (flash-decoding). Speed only (the sums are
-            reordered, so tokens may differ in the last bit of a log-prob); whether it pays at
-            long lengths is measured by ``dev/benchmarks/attention_fp8.py``. Plain attention
-            models only.
+            reordered, so tokens may differ in the last bit of a log-prob). Chunks of 1,024 took
+            12-14% off the kernel at 128 rows of long-tailed lengths and cost 9% at 64
+            (docs/performance.md), so it is off by default. Plain attention models only.
     """
 
     queues_rows = True

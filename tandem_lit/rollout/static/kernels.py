@@ -261,7 +261,8 @@ def rope_attention(
     program per chunk, merged by a second kernel (flash-decoding), so a long row is read by several
     programs at once instead of one; ``None``: one program per row and KV head. ``f16_dot`` (an
     8-bit cache only): the products take float16 inputs, to which e4m3 widens in one instruction
-    pair on a GPU, instead of q's dtype (a benchmark's variant: dev/benchmarks/attention_fp8.py).
+    per pair on a GPU, instead of q's dtype (the engine's choice for a 16-bit model:
+    ``StaticDecoderModel.f16_products``).
     """
     if f16_dot and k_cache.dtype != torch.float8_e4m3fn:
         raise ValueError("f16_dot reads an 8-bit cache only")

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from tandem_lit.errors import ConfigError
 from tandem_lit.rollout.static.blocks import (
+    FP8_CACHE,
     Fused,
     Linear,
     bits,
@@ -86,6 +87,13 @@ class StaticDecoderModel:
         self.device, self.dtype = weight.device, weight.dtype
         self.cache_dtype = self.dtype  # the KV caches' (FastEngine's kv_cache_dtype: fp8 sets 8 bits)
         self.split_positions: int | None = None  # the Triton attention's chunks (FastEngine's attention_split)
+
+    @property
+    def f16_products(self) -> bool:
+        """An 8-bit cache under a 16-bit model: the Triton attention widens it to float16 for its
+        products (one conversion per pair of entries on a GPU; the bf16 widening made the kernel
+        slower than over a bf16 cache, docs/performance.md). A float32 model keeps float32 products."""
+        return self.cache_dtype == FP8_CACHE and self.dtype in (torch.bfloat16, torch.float16)
         self.k_cache: list[Tensor] = []  # per layer: [B, KV, S, D] slots, or a [pages, KV, page_size, D] pool
         self.v_cache: list[Tensor] = []
         self.page_size = 0  # 0: one cache row per decode row (slots); else the paged pool's page
@@ -256,7 +264,7 @@ class StaticDecoderModel:
                 eps_of(layer.q_norm) if layer.q_norm is not None else 0.0,
                 self.cos, self.sin, position, slot, self.k_cache[i], self.v_cache[i], valid,
                 self.scaling, self.heads, self.kv_heads, self.head_dim, table=table,
-                split_positions=self.split_positions,
+                split_positions=self.split_positions, f16_dot=self.f16_products,
             )
             delta = layer.o(attended)
             h = kernels.add_rms_norm(x, delta, layer.post_norm.weight, eps_of(layer.post_norm))

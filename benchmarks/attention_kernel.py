@@ -1,21 +1,21 @@
-"""Does the decode-attention kernel read an 8-bit paged cache faster than a bf16 one? Times
-``rope_attention`` over a paged pool of each dtype at Qwen3-4B's heads, the engine's launch
-settings and the best of a grid, with the bytes each call must read and the rate at which the card
-copies as many bytes (the bandwidth the kernel could reach).
+"""The decode-attention kernel alone (``rope_attention``, Qwen3-4B's heads, a paged pool): which
+cache dtype, widening and split reads a step's keys and values fastest, beside the rate at which the
+card copies as many bytes (reads and writes counted) and the time of the longest row alone.
 
-    python dev/benchmarks/attention_fp8.py                      # a GPU: times both dtypes
-    python dev/benchmarks/attention_fp8.py --lengths lognormal  # rows at the partial step's mix of lengths
-    TRITON_INTERPRET=1 python dev/benchmarks/attention_fp8.py --device cpu --batch 2 --used 40 --split-positions 64  # a CPU check
+    python benchmarks/attention_kernel.py --lengths lognormal --used 1000 --batch 128 64 --json k.json
+    python benchmarks/attention_kernel.py --batch 128 --used 1024 2048 --grid   # + a launch-settings grid
+    TRITON_INTERPRET=1 python benchmarks/attention_kernel.py --device cpu --batch 2 --used 40 --split-positions 64  # a CPU check
+
+Variants: ``bf16`` (a bf16 pool); ``fp8`` (8-bit, widened to q's dtype for the products: the
+engine until 2026-12-07); ``fp8+f16dot`` (8-bit, widened to float16: the engine's for a 16-bit
+model since). Each unsplit and split into chunks of ``--split-positions`` slots
+(``FastEngine(attention_split=...)``).
 
 ``--lengths uniform`` puts every row at ``--used`` positions; ``lognormal`` draws each row's
-sequence as the issue's step does (prompt of 150, response lognormal with median ``--used`` and
+sequence as issue 54's step does (prompt of 150, response lognormal with median ``--used`` and
 sigma 0.8, capped at 3,000) and puts the row at a uniformly drawn point of it, as rows in flight
-are: the longest row then sets a floor that the total bytes do not (one program per row and KV
-head walks the row's whole context alone).
-
-Issue 54: in a training step with partial rollouts (123 of 128 rows live) the 8-bit cache left the
-decode step as long as bf16's (docs/partial_rollouts.md). If the kernel alone reads fp8 at about
-twice bf16's positions per second, the step's time is elsewhere; if not, the kernel is the limit.
+are. One program per row and KV head walks the row's whole context alone, so the longest row can
+set a floor that the total bytes do not (docs/performance.md has the measurements).
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
+import json
+from pathlib import Path
 
 import torch
 
@@ -78,12 +80,15 @@ def main() -> None:
     parser.add_argument("--lengths", choices=("uniform", "lognormal"), default="uniform")
     parser.add_argument("--page", type=int, default=64, help="positions per page (FastEngine's kv_page_size)")
     parser.add_argument("--grid", action="store_true", help="also search block_n x num_warps x num_stages")
+    parser.add_argument("--json", default=None, help="also write every timing here (docs/performance.md reads it)")
     parser.add_argument("--split-positions", type=int, nargs="*", default=[256, 512, 1024],
                         help="also time the engine's launch settings with each row split into chunks of this many "
                              "slots (flash-decoding: rope_attention's split_positions)")
     args = parser.parse_args()
-    # (cache dtype, f16_dot): an 8-bit cache widened to q's dtype (the engine's), or to float16
+    # (cache dtype, f16_dot): an 8-bit cache widened to q's dtype ("fp8", the engine's until
+    # 2026-12-07), or to float16 ("fp8+f16dot", the engine's for a 16-bit model since)
     variants = {"bf16": (torch.bfloat16, False), "fp8": (torch.float8_e4m3fn, False), "fp8+f16dot": (torch.float8_e4m3fn, True)}
+    cases, copies = [], []  # the --json file's records
     for batch, used in itertools.product(args.batch, args.used):
         length = row_lengths(batch, used, args.lengths)
         positions = int(length.sum())
@@ -103,11 +108,13 @@ def main() -> None:
             import triton.testing
 
             bytes_read = 2 * positions * KV_HEADS * HEAD_DIM * dtype.itemsize  # keys and values
-            if name == "bf16":  # what the card copies: as many bytes read (and written) by one clone
+            if name == "bf16":  # what the card copies: a clone of as many bytes reads and writes each once
                 block = torch.empty(bytes_read, dtype=torch.uint8, device=args.device)
                 copy_ms = triton.testing.do_bench(block.clone, warmup=10, rep=50)
-                print(f"B={batch} positions={used}: copying {bytes_read / 1e9:.2f} GB reads at "
-                      f"{bytes_read / copy_ms / 1e9:.2f} TB/s", flush=True)
+                print(f"B={batch} positions={used}: copying {bytes_read / 1e9:.2f} GB moves "
+                      f"{2 * bytes_read / copy_ms / 1e9:.2f} TB/s (reads and writes)", flush=True)
+                copies.append({"batch": batch, "lengths": args.lengths, "used": used,
+                               "copy_tb_s": 2 * bytes_read / copy_ms / 1e9})
                 del block
             settings = [ENGINE_DEFAULT]
             if args.grid:
@@ -132,6 +139,9 @@ def main() -> None:
                                                                      table=longest[1], split_positions=split), warmup=10, rep=50)
                 print(f"B={batch} positions={used} {name} split {split or 'none'}: {split_ms * 1000:.0f} us "
                       f"({bytes_read / split_ms / 1e9:.2f} TB/s); the longest row alone {alone_ms * 1000:.0f} us", flush=True)
+                cases.append({"batch": batch, "lengths": args.lengths, "used": used, "variant": name, "split": split or 0,
+                              "us": split_ms * 1000, "tb_s": bytes_read / split_ms / 1e9,
+                              "longest_alone_us": alone_ms * 1000})
             print(f"B={batch} positions={used} {name}: engine's n{ENGINE_DEFAULT[0]}/w{ENGINE_DEFAULT[1]}/s{ENGINE_DEFAULT[2]} "
                   f"{default_ms * 1000:.0f} us ({bytes_read / default_ms / 1e9:.2f} TB/s, "
                   f"{positions / default_ms / 1e6:.2f} G positions/s); best: " + "; ".join(
@@ -139,6 +149,9 @@ def main() -> None:
         for name in ("fp8", "fp8+f16dot"):
             gap = (outputs[name] - outputs["bf16"]).abs().max().item()
             print(f"B={batch} positions={used}: {name} output vs bf16's, max abs difference {gap:.3f}", flush=True)
+    if args.json:
+        device = torch.cuda.get_device_name() if args.device != "cpu" else "cpu"
+        Path(args.json).write_text(json.dumps({"device": device, "cases": cases, "copies": copies}, indent=1))
 
 
 if __name__ == "__main__":
