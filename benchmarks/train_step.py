@@ -129,6 +129,17 @@ def partial_arms(arm: str, keep_caches: list[str]) -> list[str]:
     return [arm + PARTIAL + ("" if keep == "none" else KEEP + keep) for keep in keep_caches]
 
 
+def set_fast_engine_args(init: dict, arm: str, flag: str, drop: tuple[str, ...] = (), **values) -> None:
+    """The module's engine (FastEngine unless the config names one) with ``values`` over its init
+    args (``drop``: the config's that the flag replaces); ``flag`` names what asked, if the config's
+    engine is another."""
+    engine = init.get("engine") or {"class_path": "FastEngine"}
+    if not engine["class_path"].endswith("FastEngine"):
+        raise SystemExit(f"{flag}; the {arm} arm runs {engine['class_path']}")
+    kept = {k: v for k, v in (engine.get("init_args") or {}).items() if k not in drop}
+    init["engine"] = dict(engine, init_args=dict(kept, **values))
+
+
 def build_module(model_args: dict, arm: str, args, root: Path):
     """TandemModule from the config's ``model`` section (jsonargparse, as the CLI reads it) with
     the benchmark's overrides; ``arm`` grpo turns the handoff solo and drops the junior, and
@@ -186,24 +197,15 @@ def build_module(model_args: dict, arm: str, args, root: Path):
         elif arm != "grpo-vllm" and configured:
             init.pop("engine")  # a vLLM config's tandem and FastEngine arms: the default engine
     if args.kv_cache and arm != "grpo-vllm":  # FastEngine's KV layout (paged: a pool sized by the memory plan)
-        engine = init.get("engine") or {"class_path": "FastEngine"}
-        if not engine["class_path"].endswith("FastEngine"):
-            raise SystemExit(f"--kv-cache sets FastEngine's KV layout; the {arm} arm runs {engine['class_path']}")
         # the layout given here comes with its own pool size (--kv-cache-gib, else the memory plan's), not the config's
-        kept = {k: v for k, v in (engine.get("init_args") or {}).items() if k not in ("kv_cache_gib", "kv_cache_tokens")}
         pool = {"kv_cache_gib": args.kv_cache_gib} if args.kv_cache_gib else {}
-        init["engine"] = dict(engine, init_args=dict(kept, kv_cache=args.kv_cache, **pool))
+        set_fast_engine_args(init, arm, "--kv-cache sets FastEngine's KV layout", drop=("kv_cache_gib", "kv_cache_tokens"),
+                             kv_cache=args.kv_cache, **pool)
     kv_dtype = "fp8" if fp8 else args.kv_cache_dtype
     if kv_dtype and arm != "grpo-vllm":  # FastEngine's cache element type (fp8: 8-bit keys and values)
-        engine = init.get("engine") or {"class_path": "FastEngine"}
-        if not engine["class_path"].endswith("FastEngine"):
-            raise SystemExit(f"--kv-cache-dtype sets FastEngine's cache dtype; the {arm} arm runs {engine['class_path']}")
-        init["engine"] = dict(engine, init_args=dict(engine.get("init_args") or {}, kv_cache_dtype=kv_dtype))
+        set_fast_engine_args(init, arm, "--kv-cache-dtype sets FastEngine's cache dtype", kv_cache_dtype=kv_dtype)
     if args.attention_split and arm != "grpo-vllm":  # FastEngine's decode attention in chunks of slots
-        engine = init.get("engine") or {"class_path": "FastEngine"}
-        if not engine["class_path"].endswith("FastEngine"):
-            raise SystemExit(f"--attention-split sets FastEngine's attention; the {arm} arm runs {engine['class_path']}")
-        init["engine"] = dict(engine, init_args=dict(engine.get("init_args") or {}, attention_split=args.attention_split))
+        set_fast_engine_args(init, arm, "--attention-split sets FastEngine's attention", attention_split=args.attention_split)
     # what draws tokens from a policy the trainer does not compute (8-bit keys and values, or the
     # senior's keys kept over the update) trains with the objective's correction, which fit requires
     if kv_dtype == "fp8" and arm != "grpo-vllm" or partial and keep == "both":
