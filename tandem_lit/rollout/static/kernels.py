@@ -139,7 +139,7 @@ def _rope_attention_kernel(
     k1, k2 = _to_cache(k1, k_cache_ptr, FP8), _to_cache(k2, k_cache_ptr, FP8)
     v1, v2 = _to_cache(v1, v_cache_ptr, FP8), _to_cache(v2, v_cache_ptr, FP8)
     first = part == 0  # the first split writes the new token's K/V and starts from it; no split reads that slot
-    write = mask & (offs * 0 + part == 0)
+    write = mask & (offs * 0 + part == 0)  # (`first` as a [1, HALF] mask: the interpreter takes no scalar in one)
     tl.store(k_cache_ptr + new, k1, mask=write)
     tl.store(k_cache_ptr + new + half, k2, mask=write)
     tl.store(v_cache_ptr + new, v1, mask=write)
