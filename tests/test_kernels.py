@@ -14,25 +14,16 @@ import textwrap
 
 import pytest
 
+from tests.conftest import REPO_ROOT
+
 pytest.importorskip("triton", reason="the Triton kernels need the triton package (dev extra, Linux)")
 
 CHECK = textwrap.dedent("""
-    import numpy as np
     import torch
-    import triton.runtime.interpreter as interpreter
 
+    import tests.triton_interpreter  # noqa: F401 (loop bounds read on the device, Triton < 3.9)
     from tandem_lit.rollout.static import kernels
     from tandem_lit.rollout.static.blocks import rms_norm as _rms_norm, rotate_half as _rotate_half
-
-    # The interpreter holds a loaded scalar as a 1-element array, which numpy 2 will not int():
-    # the attention kernel's loop bound (read on the device) needs that conversion.
-    patch_tensor = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
 
     def paged(k_cache, v_cache, page):  # [B, KV, S, D] caches as shuffled pages of random pools + table
         batch, kv, length, d = k_cache.shape
@@ -157,6 +148,6 @@ CHECK = textwrap.dedent("""
 
 def test_kernels_match_the_torch_decode_path():
     env = {**os.environ, "TRITON_INTERPRET": "1"}  # read when the kernels are defined: a fresh process
-    done = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", CHECK], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "kernels ok" in done.stdout
