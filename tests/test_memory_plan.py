@@ -227,6 +227,33 @@ def test_an_out_of_memory_names_the_part_of_the_rollout_and_the_setting():
     assert "traceback and allocator state" not in str(err.value)  # no trainer, no run folder: no report
 
 
+# PyTorch's message, as c10's allocator writes it
+FRAGMENTED = ("CUDA out of memory. Tried to allocate {request}. GPU 0 has a total capacity of 79.19 GiB of which "
+              "396.00 MiB is free. Including non-PyTorch memory, this process has 78.79 GiB memory in use. Of the "
+              "allocated memory 70.12 GiB is allocated by PyTorch, and {idle} is reserved by PyTorch but unallocated. "
+              "If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+              "to avoid fragmentation.")
+
+
+@pytest.mark.parametrize(("request_size", "idle", "env", "told"), [
+    ("2.00 GiB", "8.27 GiB", "", True),  # room enough, in pieces: fragmentation
+    ("2.00 GiB", "1.50 GiB", "", False),  # not enough room either way: lower a setting
+    ("512.00 MiB", "0 bytes", "", False),
+    ("2.00 GiB", "8.27 GiB", "expandable_segments:True", False),  # the run sets them already
+])
+def test_an_out_of_memory_with_room_in_pieces_names_expandable_segments(monkeypatch, request_size, idle, env, told):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", env)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    with pytest.raises(DeviceMemoryError) as err, out_of_memory.phase("update", torch.device("cpu"), checkpointing=True):
+        raise torch.OutOfMemoryError(FRAGMENTED.format(request=request_size, idle=idle))
+    line = str(err.value)
+    assert ("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in line) == told
+    assert "memory.micro_batch_tokens" in line  # the setting to lower, either way
+    if told:
+        assert line.startswith(f"CUDA out of memory in the update (a request of {request_size}): {idle} was reserved "
+                               "but unallocated, in pieces too small for the request: start the run with ")
+
+
 TINY_FIT = ["--config", "configs/gsm8k_tiny.yaml", "--trainer.enable_progress_bar", "false",
             "--trainer.enable_model_summary", "false", "--trainer.limit_val_batches", "0",
             "--model.init_args.evaluation.at_start", "false", "--data.init_args.batch_size", "2",

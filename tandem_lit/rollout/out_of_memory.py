@@ -12,6 +12,7 @@ resume from).
 
 from __future__ import annotations
 
+import os
 import re
 import traceback
 from collections.abc import Iterator
@@ -65,11 +66,37 @@ def last_checkpoint(trainer) -> str | None:
     return str(resumed) if resumed and Path(str(resumed)).exists() else None
 
 
+# the sizes PyTorch's message writes (c10's format_size)
+_UNITS = {"bytes": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "TiB": 1024**4}
+_SIZE = r"([\d.]+) (bytes|KiB|MiB|GiB|TiB)"
+
+
+def _bytes(match: re.Match) -> float:
+    return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+def fragmented(err: BaseException) -> str | None:
+    """How much memory PyTorch's message says was reserved but unallocated (e.g. '7.11 GiB'),
+    where that is at least the request that failed: memory the allocator held in pieces none of
+    which fit it (fragmentation, which expandable segments avoid); None otherwise, or where the
+    run already sets them."""
+    text = str(err)
+    request = re.search(rf"Tried to allocate {_SIZE}", text)
+    idle = re.search(rf"{_SIZE} is reserved by PyTorch but unallocated", text)
+    settings = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    if request is None or idle is None or _bytes(idle) < _bytes(request) or "expandable_segments:true" in settings.lower():
+        return None
+    return f"{idle.group(1)} {idle.group(2)}"
+
+
 def memory_line(phase: str, err: BaseException, device, trainer=None, checkpointing: bool | None = None) -> str:
     where = rollout_part(err) if phase == "rollout" else phase
     advice = ADVICE[where]
     if where == "update" and not checkpointing:  # (a run that checkpoints already is not told to)
         advice += ", or set memory.gradient_checkpointing: true"
+    if idle := fragmented(err):
+        advice = (f"{idle} was reserved but unallocated, in pieces too small for the request: start the run with "
+                  f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (no fragmentation), or {advice}")
     held = []
     if request := re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", str(err)):
         held.append(f"a request of {request.group(1)}")
