@@ -513,6 +513,8 @@ class StepReport(L.Callback):
             "decode_steps": row.get("train/rollout_decode_steps", float("nan")),
             "preemptions": row.get("train/rollout_preemptions", 0.0),
             "resumed_tokens": row.get("train/rollout_resumed_tokens", 0.0),
+            "prefill_positions": row.get("train/rollout_prefill_positions", 0.0),
+            "prefill_padded_positions": row.get("train/rollout_prefill_padded_positions", 0.0),
             "kept_positions": row.get("train/rollout_kept_positions", 0.0),
             "restored_positions": row.get("train/rollout_restored_positions", 0.0),
             "keep_seconds": row.get("train/rollout_keep_seconds", 0.0),
@@ -552,7 +554,8 @@ class StepReport(L.Callback):
                 f"({step['live_row_fraction']:.0%}); " if step["mean_live_rows"] == step["mean_live_rows"] else "")
         restored = (f"{step['restored_positions']:,.0f} positions' caches copied back, {step['kept_positions']:,.0f} kept "
                     f"in {step['keep_seconds']:.2f} s, " if step["kept_positions"] or step["restored_positions"] else "")
-        preempted = (f"{step['preemptions']:.0f} preempted, {step['resumed_tokens']:,.0f} tokens prefilled again to resume, {restored}pool "
+        preempted = (f"{step['preemptions']:.0f} preempted, {step['resumed_tokens']:,.0f} tokens prefilled again to resume, "
+                     f"prefills over {step['prefill_positions']:,.0f} positions ({step['prefill_padded_positions']:,.0f} padded), {restored}pool "
                      f"peak {step['kv_pool_peak_fraction']:.0%}; " if step["kv_pool_peak_fraction"] == step["kv_pool_peak_fraction"] else "")
         say(f"{self.arm:>7} step {len(self.steps)}: {seconds:7.1f} s = rollout {step['rollout_seconds']:6.1f} s "
               f"(setup {step['setup_seconds']:.2f}, prefill {step['prefill_seconds']:.2f}, decode {step['decode_seconds']:.1f} s = "

@@ -341,6 +341,25 @@ def test_a_pool_too_small_for_the_batch_preempts_and_changes_nothing(tokenizer, 
     timing = engines[2].last_timing()
     assert timing.preemptions > 0 and timing.kv_pool_peak_fraction == 1.0
     assert timing.resumed_tokens > 0  # not decoded again from the prompt
+    prompts = int(queue_batch(tokenizer).attention_mask.sum())
+    assert timing.prefill_positions >= prompts + timing.resumed_tokens  # (sequences preempted twice: more)
+    if prefill_tokens == 1:  # a prefill a row: nothing padded
+        assert timing.prefill_padded_positions == timing.prefill_positions
+    else:
+        assert timing.prefill_padded_positions > timing.prefill_positions
+
+
+def test_a_paged_engine_counts_the_positions_its_prefills_ran_over_and_padded(tokenizer, plain_pair):
+    """Every sequence admitted at once, in one prefill: its positions are the prompts' tokens, its
+    padded positions the rows times the longest prompt."""
+    senior, junior = plain_pair
+    prompts = queue_batch(tokenizer)
+    engine = paged(senior, junior, tokenizer, max_batch=prompts.batch_size, prefill_tokens=16384)
+    engine.generate(prompts, POLICIES["word"], SAMPLED)
+    timing = engine.last_timing()
+    lengths = prompts.attention_mask.sum(-1)
+    assert timing.prefill_positions == int(lengths.sum())
+    assert timing.prefill_padded_positions == prompts.batch_size * int(lengths.max()) > timing.prefill_positions
 
 
 def test_resumed_prefill_inputs_append_each_rows_tokens_after_its_prompt():
@@ -352,7 +371,13 @@ def test_resumed_prefill_inputs_append_each_rows_tokens_after_its_prompt():
 
 
 def test_prefill_parts_bound_the_padded_positions_of_each_call():
-    assert prefill_parts([10, 10, 10, 30, 5], budget=30) == [[0, 1, 2], [3], [4]]
+    assert prefill_parts([10, 10, 10, 30, 5], budget=30) == [[3], [0, 1, 2], [4]]
+    # resumed sequences of mixed lengths, longest first: like lengths share a run. In admission
+    # order the runs would be [0, 1], [2, 3], [4]: 2 x 3000 + 2 x 2900 + 110 = 11,910 padded
+    # positions; here 2 x 3000 + 3 x 120 = 6,360
+    parts = prefill_parts([100, 3000, 120, 2900, 110], budget=6000)
+    assert parts == [[1, 3], [2, 4, 0]]
+    assert sum(len(p) * max([100, 3000, 120, 2900, 110][i] for i in p) for p in parts) == 6360
     assert prefill_parts([40, 1], budget=30) == [[0], [1]]  # a row longer than the bound goes alone
     assert prefill_parts([0, 0, 0], budget=1) == [[0, 1, 2]]  # unknown widths: one call
 

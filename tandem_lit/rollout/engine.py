@@ -124,6 +124,10 @@ class EngineTiming:
     # to go on, the token positions it holds and the most of it held at once
     preemptions: int | None = None
     resumed_tokens: int | None = None
+    # ... and its prefills: the positions their forwards ran over (prompts, and the tokens of resumed
+    # sequences), and as many padded (each prefill's rows x its widest: the compute they cost)
+    prefill_positions: int | None = None
+    prefill_padded_positions: int | None = None
     # partial rollouts with ``keep_caches``: positions of the paused sequences whose pages went to
     # host memory and the seconds that took (not in decode_s), and of the resumed ones whose pages
     # came back (not prefilled again; the copies are in prefill_s)

@@ -56,7 +56,9 @@ def engine_phases(timing: EngineTiming | None) -> dict[str, float]:
     # ... and its paged pool: sequences preempted when it filled, the tokens they prefilled to go on
     if timing.preemptions is not None:
         phases.update(rollout_preemptions=timing.preemptions, rollout_resumed_tokens=timing.resumed_tokens,
-                      rollout_kv_pool_peak_fraction=timing.kv_pool_peak_fraction / calls)
+                      rollout_kv_pool_peak_fraction=timing.kv_pool_peak_fraction / calls,
+                      rollout_prefill_positions=timing.prefill_positions,
+                      rollout_prefill_padded_positions=timing.prefill_padded_positions)
     # ... and partial rollouts' kept caches: positions that went to host memory, and came back
     if timing.kept_positions or timing.restored_positions:
         phases.update(rollout_kept_positions=timing.kept_positions, rollout_keep_seconds=timing.keep_s,
