@@ -187,15 +187,19 @@ def _rope_attention_kernel(
         acc2 = acc2 * alpha[:, None] + tl.dot(p.to(vt2.dtype), vt2, input_precision=PRECISION).to(tl.float32)
         m = m_new
     if SPLIT:  # this split's normalised output and log-sum-exp, merged by _merge_splits_kernel
+        # a split past the row's slots stores nothing: the merge reads a row's first cdiv(slot, chunk)
+        # splits only (at least the first), so short rows cost no traffic for the splits they lack
+        # (as [1, HALF] and [G] masks: the interpreter takes no scalar in one)
+        stored = (offs * 0 + part == 0) | (offs * 0 + lo < slot)
+        lse_rows = tl.arange(0, BLOCK_G)
+        lse_stored = (lse_rows < group) & ((lse_rows * 0 + part == 0) | (lse_rows * 0 + lo < slot))
         seen = l_sum > 0
         l_safe = tl.where(seen, l_sum, 1.0)
         at = ((b * tl.num_programs(1) + kvh) * splits + part) * group  # this split's [G] rows
         rows = part_out_ptr + (at + g) * (2 * HALF) + offs
-        tl.store(rows, acc1 / l_safe[:, None], mask=qmask)
-        tl.store(rows + HALF, acc2 / l_safe[:, None], mask=qmask)
-        lse_at = at + tl.arange(0, BLOCK_G)
-        tl.store(part_lse_ptr + lse_at, tl.where(seen, m + tl.log(l_safe), float("-inf")),
-                 mask=tl.arange(0, BLOCK_G) < group)
+        tl.store(rows, acc1 / l_safe[:, None], mask=qmask & stored)
+        tl.store(rows + HALF, acc2 / l_safe[:, None], mask=qmask & stored)
+        tl.store(part_lse_ptr + at + lse_rows, tl.where(seen, m + tl.log(l_safe), float("-inf")), mask=lse_stored)
     else:
         out = out_ptr + b * heads * d + (kvh * group + g) * d + offs
         tl.store(out, (acc1 / l_sum[:, None]).to(dtype), mask=qmask)
@@ -203,13 +207,15 @@ def _rope_attention_kernel(
 
 
 @triton.jit
-def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, heads, group, d, splits,
+def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, slot_ptr, heads, group, d, splits, chunk,
                          BLOCK_G: tl.constexpr, HALF: tl.constexpr):
     """The splits of one row and KV head, merged by their log-sum-exps (flash-decoding's
     second pass): softmax over all the row's slots = the splits' outputs weighted by
-    exp(lse_split - lse_row)."""
+    exp(lse_split - lse_row). Only the splits that hold some of the row's slots: the first
+    cdiv(slot, chunk), at least one (the first holds the new token)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
+    used = tl.maximum(tl.minimum((tl.load(slot_ptr + b) + chunk - 1) // chunk, splits), 1)
     half = d // 2
     offs = tl.arange(0, HALF)[None, :]
     g = tl.arange(0, BLOCK_G)[:, None]
@@ -218,7 +224,7 @@ def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, heads, group, d, s
     l_sum = tl.zeros([BLOCK_G], tl.float32)
     acc1 = tl.zeros([BLOCK_G, HALF], tl.float32)
     acc2 = tl.zeros([BLOCK_G, HALF], tl.float32)
-    for part in range(0, splits):
+    for part in range(0, used):
         at = ((b * tl.num_programs(1) + kvh) * splits + part) * group
         lse = tl.load(part_lse_ptr + at + tl.arange(0, BLOCK_G), mask=tl.arange(0, BLOCK_G) < group,
                       other=float("-inf"))
@@ -299,8 +305,8 @@ def rope_attention(
         FP8=k_cache.dtype == torch.float8_e4m3fn, SPLIT=splits > 1, F16_DOT=f16_dot,
     )
     if splits > 1:
-        _merge_splits_kernel[(batch, kv_heads)](part_out, part_lse, out, heads, group, head_dim, splits,
-                                                BLOCK_G=block_g, HALF=half, num_warps=2)
+        _merge_splits_kernel[(batch, kv_heads)](part_out, part_lse, out, slot, heads, group, head_dim, splits,
+                                                split_positions, BLOCK_G=block_g, HALF=half, num_warps=2)
     return out
 
 
