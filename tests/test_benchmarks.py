@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -285,3 +286,20 @@ def test_attention_kernel_checks_each_variant_and_split_under_the_interpreter(re
     for line in splits:  # float16 softmax weights round against each chunk's own maximum: a little apart
         assert float(line.rsplit(" ", 1)[1]) < (1e-3 if "f16dot" in line else 1e-5), line
     assert "lognormal positions: mean" in run.stdout and "fp8+f16dot output vs bf16's" in run.stdout
+
+
+def test_handoff_spans_counts_switches_on_real_text(repo_root):
+    """dev/benchmarks/handoff_spans.py (the span S that decoding only the author is planned on)
+    over a few solutions: a word handoff at p = 0.5 switches at about half its draws, and a sentence
+    handoff draws far less often than a word handoff."""
+    shared = repo_root.parent / "shared"
+    if not (shared / "models/qwen3-tokenizer/tokenizer.json").is_file() or not (shared / "data/deepscaler").is_dir():
+        pytest.skip("needs ../shared's Qwen3 tokenizer and DeepScaleR data")
+    run = subprocess.run([sys.executable, "dev/benchmarks/handoff_spans.py", "--rows", "4", "--tokens", "60",
+                          "--policies", "word", "sentence"], cwd=repo_root, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(repo_root)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = {line.split()[0]: [float(x) for x in re.findall(r"([\d.]+) (?:tokens a switch|a draw)", line)]
+             for line in run.stdout.splitlines() if "tokens a switch" in line}
+    (word_switch, word_draw), (_, sentence_draw) = found["word"], found["sentence"]
+    assert 1.0 <= word_draw < word_switch and word_draw < sentence_draw

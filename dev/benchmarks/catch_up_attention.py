@@ -78,9 +78,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[128])
     parser.add_argument("--used", type=int, default=1000, help="the responses' median length (lognormal)")
     parser.add_argument("--page", type=int, default=64)
-    parser.add_argument("--span", type=float, default=5.6,
-                        help="tokens a model writes before the other takes over (train/handoffs_per_sequence's "
-                             "tokens per handoff: 5.6 in the H100 CLI run's word handoff, random weights)")
+    parser.add_argument("--span", type=float, default=4.0,
+                        help="tokens a model writes before the other takes over: 4.0 for the word handoff on math "
+                             "text (dev/benchmarks/handoff_spans.py), 5.6 in the H100 CLI run (random weights)")
     parser.add_argument("--queries", type=int, nargs="+", default=[4, 8], help="catch_up_attention's queries_per_span")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
