@@ -534,6 +534,10 @@ class StepReport(L.Callback):
         }
         step["live_row_fraction"] = step["mean_live_rows"] / module.rollouts.settings.batch_size
         step["roofline_ms"] = 1000 * decode_bytes(module, step["prompt_width"]) / self.bandwidth
+        # what the decode really read (FastEngine: weights a step, the keys and values its attention
+        # read), at any lengths, over the copy rate measured in this run
+        step["decode_read_tb_per_s"] = row.get("train/rollout_decode_read_tb_per_s", float("nan"))
+        step["decode_read_share"] = step["decode_read_tb_per_s"] * 1e12 / self.bandwidth
         step["decode_roofline_share"] = step["roofline_ms"] / step["decode_step_ms"]
         shapes = self.shapes.steps[-1] if self.shapes and self.shapes.steps else None
         flops = update_flops(**flop_shape(module.senior), **shapes) if shapes else float("nan")
@@ -550,6 +554,10 @@ class StepReport(L.Callback):
                 f"busy slots {row.get('train/rollout_busy_slot_fraction', float('nan')):.0%}")
         roofline = (f" ({step['decode_roofline_share']:.0%} of the roofline of every row decoding at once, {step['roofline_ms']:.2f} ms)"
                     if self.fixed_lengths else "")
+        if step["decode_read_tb_per_s"] == step["decode_read_tb_per_s"]:  # (not NaN: FastEngine on plain models)
+            roofline += f", reading {step['decode_read_tb_per_s']:.2f} TB/s"
+            if step["decode_read_share"] == step["decode_read_share"]:  # (a GPU: the copy rate was measured)
+                roofline += f" ({step['decode_read_share']:.0%} of the copy rate)"
         live = (f"{step['mean_live_rows']:.0f} of {module.rollouts.settings.batch_size} rows live "
                 f"({step['live_row_fraction']:.0%}); " if step["mean_live_rows"] == step["mean_live_rows"] else "")
         restored = (f"{step['restored_positions']:,.0f} positions' caches copied back, {step['kept_positions']:,.0f} kept "

@@ -349,3 +349,47 @@ def test_an_engine_set_up_and_run_under_the_trainers_autocast_decodes_as_outside
         got = engine.generate(prompts, policy, sampling)
     assert_same_rollouts(expected, got)
     torch.testing.assert_close(got.senior_logprobs, expected.senior_logprobs, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kv_cache", ["slots", "paged"])
+def test_the_decode_reports_the_bytes_its_steps_read(tokenizer, kv_cache):
+    """One row of a P-token prompt writes N tokens: step k attends to P + k positions, the last step
+    (its row done, its slot kept) to P + N - 1, so NP + (N - 1)(N + 2) / 2 in all. Each active
+    model reads those positions' keys and values and its weights once a step, the embedding table
+    whole only where it is the LM head too (the senior here; the junior's is untied); in tandem
+    both models do, solo only the senior."""
+    senior = build("qwen3", len(tokenizer), 64, 2, seed=0)
+    junior = build("qwen2", len(tokenizer), 32, 1, seed=1)
+    assert senior.config.tie_word_embeddings and not junior.config.tie_word_embeddings
+    engine = FastEngine(kernels="torch", rollout_dtype="float32", kv_cache=kv_cache, check_every=2)
+    engine.setup(senior, junior, tokenizer)
+    prompts = prompt_batch(tokenizer, "cpu", PROMPTS[:1])
+    steps, prompt = 5, int(prompts.attention_mask.sum())
+    attended = steps * prompt + (steps - 1) * (steps + 2) // 2
+
+    def reads(model):  # float32: 4 bytes a number
+        config = model.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 4
+        weights = sum(p.numel() for p in model.parameters())  # (tied: the one matrix once)
+        if not config.tie_word_embeddings:
+            weights -= model.get_input_embeddings().weight.numel()
+        return attended * kv + steps * 4 * weights
+
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=steps, ignore_eos=True)
+    for policy, read in ((SoloHandoff(), reads(senior)), (WordHandoff(0.5), reads(senior) + reads(junior))):
+        engine.generate(prompts, policy, sampling)
+        timing = engine.last_timing()
+        assert timing.decode_steps == steps and timing.decode_read_bytes == read
+        assert timing.decode_read_tb_per_s == pytest.approx(read / timing.decode_s / 1e12)
+
+
+def test_the_decode_does_not_count_the_bytes_of_hybrid_layers(tokenizer):
+    """Qwen3.5's linear-attention states are read and written at every step too: its read bytes are
+    not reported rather than reported short."""
+    from tests.test_hybrid_engine import hybrid
+
+    engine = FastEngine(kernels="torch", rollout_dtype="float32")
+    engine.setup(hybrid(len(tokenizer), seed=0), None, tokenizer)
+    engine.generate(prompt_batch(tokenizer, "cpu", PROMPTS[:1]), SoloHandoff(), SamplingConfig(max_new_tokens=4))
+    assert engine.last_timing().decode_read_bytes is None

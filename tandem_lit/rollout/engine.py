@@ -128,6 +128,10 @@ class EngineTiming:
     # sequences), and as many padded (each prefill's rows x its widest: the compute they cost)
     prefill_positions: int | None = None
     prefill_padded_positions: int | None = None
+    # FastEngine's decode: the bytes its steps read (each active model's weights once a step, and
+    # the keys and values of the cache positions its attention read; None for Qwen3.5's hybrid
+    # layers), over ``decode_s`` the rate it read them at, beside the card's bandwidth
+    decode_read_bytes: int | None = None
     # partial rollouts with ``keep_caches``: positions of the paused sequences whose pages went to
     # host memory and the seconds that took (not in decode_s), and of the resumed ones whose pages
     # came back (not prefilled again; the copies are in prefill_s)
@@ -140,6 +144,10 @@ class EngineTiming:
     @property
     def decode_step_ms(self) -> float:
         return 1000 * self.decode_s / max(self.decode_steps, 1)
+
+    @property
+    def decode_read_tb_per_s(self) -> float | None:
+        return None if self.decode_read_bytes is None or self.decode_s <= 0 else self.decode_read_bytes / self.decode_s / 1e12
 
     def __add__(self, other: EngineTiming) -> EngineTiming:
         def add(a, b):

@@ -53,6 +53,9 @@ def engine_phases(timing: EngineTiming | None) -> dict[str, float]:
     if timing.refilled_sequences is not None:
         phases.update(rollout_refills=timing.refills, rollout_refilled_sequences=timing.refilled_sequences)
     phases["rollout_decode_steps"] = timing.decode_steps
+    # ... and the rate its decode read weights and caches at (set it beside the card's bandwidth)
+    if timing.decode_read_tb_per_s is not None:
+        phases["rollout_decode_read_tb_per_s"] = timing.decode_read_tb_per_s
     # ... and its paged pool: sequences preempted when it filled, the tokens they prefilled to go on
     if timing.preemptions is not None:
         phases.update(rollout_preemptions=timing.preemptions, rollout_resumed_tokens=timing.resumed_tokens,

@@ -87,6 +87,7 @@ class ContinuousRun:
         self.restored_positions = 0  # positions of resumed sequences copied back instead of prefilled
         self.width = 0
         self.peak_pages = 0  # paged pool: the most pages held at once
+        self.active: list[str] = []  # the models the policy runs
 
     # -------------------------------------------------------------------------------- the loop
 
@@ -109,6 +110,8 @@ class ContinuousRun:
         self.ended = [False] * prompts.batch_size
         self.stopped = False
         decoder.vacate()
+        self.active = active
+        buf.attended.zero_()  # (the graphs' warm-up steps added to it)
         results = {name: torch.zeros((prompts.batch_size, *x.shape[1:]), dtype=x.dtype, device=buf.slot.device)
                    for name, x in decoder.outputs().items()}
         self.clock.mark()
@@ -417,6 +420,12 @@ class ContinuousRun:
             timer.observe(self.table.batch, steps, max(now - synced - prefill, 0.0) / steps)
         return now
 
+    def decode_read_bytes(self) -> int | None:
+        """What this call's decode steps read, every active model (None where one does not count it)."""
+        attended = int(self.buf.attended)  # (a sync, once the call is over)
+        parts = [self.models[name].decode_bytes(attended, self.steps) for name in self.active]
+        return None if not parts or None in parts else sum(parts)
+
     def timing(self) -> EngineTiming:
         """See ``FastEngine.last_timing``."""
         (total,) = self.clock.seconds()
@@ -427,6 +436,7 @@ class ContinuousRun:
             decode_s=total - waited - self.keep_s, decode_steps=self.steps, prompt_width=self.width,
             busy_slot_fraction=self.live_steps / max(self.slot_steps, 1), written_tokens=self.live_steps,
             refills=self.refills, refilled_sequences=self.refilled, compactions=self.compactions,
+            decode_read_bytes=self.decode_read_bytes(),
         )
         if isinstance(self.table, PagedSlotTable):
             pages = self.table.pages

@@ -134,6 +134,9 @@ class _Batch:
         self.valid = {name: torch.zeros(capacity, length, dtype=torch.bool, device=device) for name in vocab}
         # float32: sampling and log-probs read them several times; convert once per step
         self.logits = {name: torch.zeros(capacity, vocab[name], dtype=torch.float32, device=device) for name in vocab}
+        # the cache positions each step's attention reads, summed over its rows and steps (each active
+        # model reads them all): what the decode's bytes are made of (``ContinuousRun.timing``)
+        self.attended = torch.zeros((), dtype=torch.long, device=device)
 
     def per_row(self) -> list[Tensor]:
         return [self.slot, *self.position.values(), *self.valid.values(), *self.logits.values()]
@@ -413,6 +416,7 @@ class FastEngine(RolloutEngine):
         # them, at a slot that stays put: the attention kernel reads a row's slots below its own,
         # so an emptied row (slot 0) reads nothing, and a row that just ended rewrites its last slot
         slot.add_((~decoder.state.finished).long()).clamp_(max=buf.length - 1)
+        buf.attended.add_(slot.sum() + batch)  # each row reads its slots [0, slot]
         for name, logits in (("senior", senior), ("junior", junior)):
             if logits is not None:
                 buf.position[name][:batch].add_(1).clamp_(max=buf.length - 1)

@@ -229,6 +229,11 @@ class HybridDecoderModel:
         layers' states are per sequence)."""
         return self.layer_types.count("full_attention") * 2 * self.kv_heads * self.head_dim * self.dtype.itemsize
 
+    def decode_bytes(self, attended: int, steps: int) -> None:
+        """Not counted: a step also reads and writes every row's linear-attention state, which the
+        attended positions do not say (``StaticDecoderModel.decode_bytes``)."""
+        return None
+
     def allocate(self, batch: int, length: int, pages: int = 0, page_size: int = 0) -> None:
         """Linear-attention states for ``batch`` rows; full-attention caches for ``batch`` sequences
         of up to ``length`` tokens, or (``pages`` > 0) a paged pool read through a block table."""

@@ -130,6 +130,16 @@ class StaticDecoderModel:
     def kv_bytes_per_token(self) -> int:
         return len(self.layers) * 2 * self.kv_heads * self.head_dim * self.cache_dtype.itemsize
 
+    def decode_bytes(self, attended: int, steps: int) -> int:
+        """Bytes ``steps`` decode steps read whose attention read ``attended`` cache positions in all:
+        those positions' keys and values, and every weight once a step (the embedding table only
+        where it is the LM head too: a step looks up one row of it per sequence)."""
+        params = {id(p): p for p in self.model.parameters()}.values()
+        weights = sum(p.numel() * p.element_size() for p in params)
+        if self.embed.weight is not self.lm_head.weight:
+            weights -= self.embed.weight.numel() * self.embed.weight.element_size()
+        return attended * self.kv_bytes_per_token() + steps * weights
+
     def allocate(self, batch: int, length: int, pages: int = 0, page_size: int = 0) -> None:
         """Static caches for ``batch`` sequences of up to ``length`` tokens (``pages`` > 0: a paged
         pool of that many pages instead, read through a block table), and the rotary table."""
