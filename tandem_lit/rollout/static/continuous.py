@@ -474,9 +474,8 @@ def prefill_parts(starts: list[int], budget: int) -> list[list[int]]:
     prefill of many resumed sequences would otherwise hold all their activations and keys at once.
     Longest first, so that sequences of like length share a run: resumed sequences come back at
     every length up to the cap, and in admission order a run pads every row to the longest that
-    happens to be in it (at issue 54's lognormal lengths, 1.4x to 2.6x the real positions for runs
-    of 4k to 32k positions, against 1.04x to 1.4x sorted: dev/log.md). Which run a sequence is
-    prefilled in changes nothing it writes."""
+    happens to be in it (at issue 54's lengths that about doubled the positions prefilled:
+    dev/log.md has the counts). Which run a sequence is prefilled in changes nothing it writes."""
     parts: list[list[int]] = []
     longest = 0
     for i in sorted(range(len(starts)), key=lambda i: -starts[i]):
