@@ -9,7 +9,8 @@ card copies as many bytes (reads and writes counted) and the time of the longest
 Variants: ``bf16`` (a bf16 pool); ``fp8`` (8-bit, widened to q's dtype for the products: the
 engine until 2026-12-07); ``fp8+f16dot`` (8-bit, widened to float16: the engine's for a 16-bit
 model since). Each unsplit and split into chunks of ``--split-positions`` slots
-(``FastEngine(attention_split=...)``).
+(``FastEngine(attention_split=...)``), and unsplit with its programs started longest row first
+(``rope_attention``'s ``order``; not the engine's yet).
 
 ``--lengths uniform`` puts every row at ``--used`` positions; ``lognormal`` draws each row's
 sequence as issue 54's step does (prompt of 150, response lognormal with median ``--used`` and
@@ -103,6 +104,11 @@ def main() -> None:
                 gap = (call(*call_args, *ENGINE_DEFAULT, table=table, split_positions=split).float()
                        - outputs[name]).abs().max().item()
                 print(f"B={batch} positions={used} {name} split {split}: max abs difference from unsplit {gap:.2e}")
+            # the same output, the programs started longest row first (rope_attention's ``order``)
+            longest_first = functools.partial(call, *call_args, *ENGINE_DEFAULT, table=table,
+                                              order=torch.argsort(call_args[9], descending=True))
+            gap = (longest_first().float() - outputs[name]).abs().max().item()
+            print(f"B={batch} positions={used} {name} longest first: max abs difference from row order {gap:.2e}")
             if args.device == "cpu":
                 continue
             import triton.testing
@@ -142,6 +148,11 @@ def main() -> None:
                 cases.append({"batch": batch, "lengths": args.lengths, "used": used, "variant": name, "split": split or 0,
                               "us": split_ms * 1000, "tb_s": bytes_read / split_ms / 1e9,
                               "longest_alone_us": alone_ms * 1000})
+            ordered_ms = triton.testing.do_bench(longest_first, warmup=10, rep=50)
+            print(f"B={batch} positions={used} {name} longest first: {ordered_ms * 1000:.0f} us "
+                  f"({bytes_read / ordered_ms / 1e9:.2f} TB/s) against {default_ms * 1000:.0f} in row order", flush=True)
+            cases.append({"batch": batch, "lengths": args.lengths, "used": used, "variant": f"{name} longest-first",
+                          "split": 0, "us": ordered_ms * 1000, "tb_s": bytes_read / ordered_ms / 1e9})
             print(f"B={batch} positions={used} {name}: engine's n{ENGINE_DEFAULT[0]}/w{ENGINE_DEFAULT[1]}/s{ENGINE_DEFAULT[2]} "
                   f"{default_ms * 1000:.0f} us ({bytes_read / default_ms / 1e9:.2f} TB/s, "
                   f"{positions / default_ms / 1e6:.2f} G positions/s); best: " + "; ".join(

@@ -286,6 +286,8 @@ def test_attention_kernel_checks_each_variant_and_split_under_the_interpreter(re
     for line in splits:  # float16 softmax weights round against each chunk's own maximum: a little apart
         assert float(line.rsplit(" ", 1)[1]) < (1e-3 if "f16dot" in line else 1e-5), line
     assert "lognormal positions: mean" in run.stdout and "fp8+f16dot output vs bf16's" in run.stdout
+    reordered = [line for line in run.stdout.splitlines() if "from row order" in line]
+    assert len(reordered) == 3 and all(float(line.rsplit(" ", 1)[1]) == 0 for line in reordered)  # a permutation of programs
 
 
 def test_handoff_spans_counts_switches_on_real_text(repo_root):

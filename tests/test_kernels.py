@@ -67,6 +67,13 @@ CHECK = textwrap.dedent("""
                                                    cos, sin, pos, slot, *caches, valid, 0.25, H, KV, D, block_n=4,
                                                    table=pages, split_positions=split)
                 torch.testing.assert_close(split_out, out, rtol=1e-5, atol=1e-5)
+        # the programs in another order (longest row first, a row's KV heads side by side): the same
+        for split in (None, 4):
+            caches, pages = paged(kc, vc, page=5)
+            ordered = kernels.rope_attention(q, k, v, qn if has_norm else None, kn if has_norm else None, 1e-6,
+                                             cos, sin, pos, slot, *caches, valid, 0.25, H, KV, D, block_n=4,
+                                             table=pages, split_positions=split, order=torch.argsort(slot, descending=True))
+            torch.testing.assert_close(ordered, out, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(unpage(kp, table), kc_out)  # the new keys written in their pages
         torch.testing.assert_close(unpage(vp, table), vc_out)
         qh, kh = q.reshape(B, H, D), k.reshape(B, KV, D)

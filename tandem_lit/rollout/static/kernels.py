@@ -95,13 +95,17 @@ def _rope_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, k_cache_ptr, v_cache_ptr, valid_ptr,
     q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, table_ptr,
     heads, group, d, eps, scale, q_sb, k_sb, v_sb, cache_sb, cache_sh, cache_ss, valid_sb, table_sb,
-    part_out_ptr, part_lse_ptr, chunk, splits,
+    part_out_ptr, part_lse_ptr, chunk, splits, order_ptr,
     HAS_NORM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr,
     PRECISION: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, FP8: tl.constexpr, SPLIT: tl.constexpr,
-    F16_DOT: tl.constexpr,
+    F16_DOT: tl.constexpr, ORDERED: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    if ORDERED:  # rows in ``order``, each row's KV heads side by side (rope_attention's ``order``)
+        kvh = tl.program_id(0)
+        b = tl.load(order_ptr + tl.program_id(1))
+    else:
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
     part = tl.program_id(2)  # split: this program's share of the row's slots, [part * chunk, (part + 1) * chunk)
     dtype = out_ptr.dtype.element_ty
     dot = tl.float16 if F16_DOT else dtype  # the products' inputs (F16_DOT: an 8-bit cache widened to float16)
@@ -195,7 +199,7 @@ def _rope_attention_kernel(
         lse_stored = (lse_rows < group) & ((lse_rows * 0 + part == 0) | (lse_rows * 0 + lo < slot))
         seen = l_sum > 0
         l_safe = tl.where(seen, l_sum, 1.0)
-        at = ((b * tl.num_programs(1) + kvh) * splits + part) * group  # this split's [G] rows
+        at = ((b * (heads // group) + kvh) * splits + part) * group  # this split's [G] rows
         rows = part_out_ptr + (at + g) * (2 * HALF) + offs
         tl.store(rows, acc1 / l_safe[:, None], mask=qmask & stored)
         tl.store(rows + HALF, acc2 / l_safe[:, None], mask=qmask & stored)
@@ -251,6 +255,7 @@ def rope_attention(
     cos: Tensor, sin: Tensor, position: Tensor, slot: Tensor, k_cache: Tensor, v_cache: Tensor, valid: Tensor,
     scale: float, heads: int, kv_heads: int, head_dim: int, block_n: int | None = None, num_warps: int | None = None,
     num_stages: int = 2, table: Tensor | None = None, split_positions: int | None = None, f16_dot: bool = False,
+    order: Tensor | None = None,
 ) -> Tensor:
     """One new token per sequence: (Qwen3) q/k norm, rotary, K/V written at ``slot``, then
     grouped-query attention over the valid cache slots [0, slot] — one kernel per layer.
@@ -269,6 +274,13 @@ def rope_attention(
     8-bit cache only): the products take float16 inputs, to which e4m3 widens in one instruction
     per pair on a GPU, instead of q's dtype (the engine's choice for a 16-bit model:
     ``StaticDecoderModel.f16_products``).
+
+    ``order`` [B] (a permutation of the rows, e.g. ``torch.argsort(slot, descending=True)``): the
+    programs start row by row in that order, each row's KV heads side by side, instead of row-major
+    by KV head. Where fewer programs fit on the card at once than the grid holds (at 128 rows of
+    Qwen3-4B's heads, by the registers tests/kernels_compiled.py reports), the rows that start last
+    set the kernel's end; longest first, the longest rows are not among them. Not used by the
+    engine yet (benchmarks/attention_kernel.py times it).
     """
     if f16_dot and k_cache.dtype != torch.float8_e4m3fn:
         raise ValueError("f16_dot reads an 8-bit cache only")
@@ -292,17 +304,19 @@ def rope_attention(
                            device=q.device)
     part_lse = torch.empty((batch, kv_heads, splits, group) if splits > 1 else (1,), dtype=torch.float32,
                            device=q.device)
-    _rope_attention_kernel[(batch, kv_heads, splits)](
+    grid = (kv_heads, batch, splits) if order is not None else (batch, kv_heads, splits)
+    _rope_attention_kernel[grid](
         q, k, v, out, k_cache, v_cache, valid.view(torch.uint8),
         q_norm if has_norm else q, k_norm if has_norm else k, cos, sin, position, slot,
         table if table is not None else slot,
         heads, group, head_dim, eps, scale, q.stride(0), k.stride(0), v.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), valid.stride(0),
         table.stride(0) if table is not None else 0, part_out, part_lse, split_positions or 0, splits,
+        order if order is not None else slot,
         HAS_NORM=has_norm, BLOCK_G=block_g, BLOCK_N=block_n, HALF=half,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
         PAGED=table is not None, PAGE=k_cache.shape[2] if table is not None else 1,
-        FP8=k_cache.dtype == torch.float8_e4m3fn, SPLIT=splits > 1, F16_DOT=f16_dot,
+        FP8=k_cache.dtype == torch.float8_e4m3fn, SPLIT=splits > 1, F16_DOT=f16_dot, ORDERED=order is not None,
     )
     if splits > 1:
         _merge_splits_kernel[(batch, kv_heads)](part_out, part_lse, out, slot, heads, group, head_dim, splits,
