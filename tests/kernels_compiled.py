@@ -1,6 +1,6 @@
 """Every Triton kernel the engine launches on a GPU, compiled for sm_90 (H100, H200) on a machine
 without one (tests/triton_compile_only.py), at the shipped configs' shapes: Qwen3-4B's attention
-(bf16 and 8-bit pools, split or not, both launch settings), Qwen3.5-9B's gated attention and
+(bf16 and 8-bit pools, split or not, both launch settings, programs in a given row order), Qwen3.5-9B's gated attention and
 Gated DeltaNet step, the norms, the MLP activation, the sampler and the log-prob kernel over
 Qwen3's vocabulary, and the catch-up attention. Run by tests/test_kernels_compiled.py in a fresh
 process (it stands in for the CUDA driver); prints one line per compiled kernel with its registers,
@@ -92,6 +92,7 @@ with compiling_for(90) as compiled:
         qwen3_attention(batch)
     qwen3_attention(128, cache_dtype=FP8, f16_dot=True)
     qwen3_attention(128, split_positions=1024)
+    qwen3_attention(128, order=torch.arange(128))  # programs in a given row order
     qwen35_steps(32)
     step_kernels(128)
     for per_span in (4, 8):
