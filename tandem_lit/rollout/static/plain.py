@@ -87,6 +87,10 @@ class StaticDecoderModel:
         self.device, self.dtype = weight.device, weight.dtype
         self.cache_dtype = self.dtype  # the KV caches' (FastEngine's kv_cache_dtype: fp8 sets 8 bits)
         self.split_positions: int | None = None  # the Triton attention's chunks (FastEngine's attention_split)
+        self.k_cache: list[Tensor] = []  # per layer: [B, KV, S, D] slots, or a [pages, KV, page_size, D] pool
+        self.v_cache: list[Tensor] = []
+        self.page_size = 0  # 0: one cache row per decode row (slots); else the paged pool's page
+        self.cos = self.sin = None
 
     @property
     def f16_products(self) -> bool:
@@ -94,10 +98,6 @@ class StaticDecoderModel:
         products (one conversion per pair of entries on a GPU; the bf16 widening made the kernel
         slower than over a bf16 cache, docs/performance.md). A float32 model keeps float32 products."""
         return self.cache_dtype == FP8_CACHE and self.dtype in (torch.bfloat16, torch.float16)
-        self.k_cache: list[Tensor] = []  # per layer: [B, KV, S, D] slots, or a [pages, KV, page_size, D] pool
-        self.v_cache: list[Tensor] = []
-        self.page_size = 0  # 0: one cache row per decode row (slots); else the paged pool's page
-        self.cos = self.sin = None
 
     @staticmethod
     def check_architecture(config) -> None:
