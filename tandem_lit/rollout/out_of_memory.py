@@ -66,13 +66,15 @@ def last_checkpoint(trainer) -> str | None:
     return str(resumed) if resumed and Path(str(resumed)).exists() else None
 
 
-# the sizes PyTorch's message writes (c10's format_size)
+# the sizes PyTorch's message writes (c10's format_size), and the two of them read here
 _UNITS = {"bytes": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "TiB": 1024**4}
-_SIZE = r"([\d.]+) (bytes|KiB|MiB|GiB|TiB)"
+_SIZE = r"(([\d.]+) (bytes|KiB|MiB|GiB|TiB))"
+REQUEST = re.compile(rf"Tried to allocate {_SIZE}")
+IDLE = re.compile(rf"{_SIZE} is reserved by PyTorch but unallocated")
 
 
 def _bytes(match: re.Match) -> float:
-    return float(match.group(1)) * _UNITS[match.group(2)]
+    return float(match.group(2)) * _UNITS[match.group(3)]
 
 
 def fragmented(err: BaseException) -> str | None:
@@ -81,12 +83,11 @@ def fragmented(err: BaseException) -> str | None:
     which fit it (fragmentation, which expandable segments avoid); None otherwise, or where the
     run already sets them."""
     text = str(err)
-    request = re.search(rf"Tried to allocate {_SIZE}", text)
-    idle = re.search(rf"{_SIZE} is reserved by PyTorch but unallocated", text)
+    request, idle = REQUEST.search(text), IDLE.search(text)
     settings = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
     if request is None or idle is None or _bytes(idle) < _bytes(request) or "expandable_segments:true" in settings.lower():
         return None
-    return f"{idle.group(1)} {idle.group(2)}"
+    return idle.group(1)
 
 
 def memory_line(phase: str, err: BaseException, device, trainer=None, checkpointing: bool | None = None) -> str:
@@ -98,7 +99,7 @@ def memory_line(phase: str, err: BaseException, device, trainer=None, checkpoint
         advice = (f"{idle} was reserved but unallocated, in pieces too small for the request: start the run with "
                   f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (no fragmentation), or {advice}")
     held = []
-    if request := re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", str(err)):
+    if request := REQUEST.search(str(err)):
         held.append(f"a request of {request.group(1)}")
     if isinstance(device, torch.device) and device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
