@@ -208,9 +208,9 @@ class FastEngine(RolloutEngine):
             with one program per KV head, so the longest row's context is read by one program
             alone; a number (a multiple of 128): slots in chunks of that many, each chunk its own
             program, merged by a second kernel (flash-decoding). Speed only (the sums are
-            reordered, so tokens may differ in the last bit of a log-prob). Chunks of 1,024 took
-            12-14% off the kernel at 128 rows of long-tailed lengths and cost 9% at 64
-            (docs/performance.md), so it is off by default. Plain attention models only.
+            reordered, so tokens may differ in the last bit of a log-prob). Off by default: on an
+            H100 it paid at 128 rows of long-tailed lengths but not at 64 (docs/performance.md,
+            "The decode-attention kernel alone"). Plain attention models only.
     """
 
     queues_rows = True
