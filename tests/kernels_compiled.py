@@ -32,7 +32,7 @@ def qwen3_attention(batch: int, **options) -> None:
     position = slot = torch.zeros(batch, dtype=torch.long)
     table = torch.zeros(batch, slots // page, dtype=torch.int32)
     cache_dtype = options.pop("cache_dtype", BF16)
-    keys, values = pool(batch * slots // page + 1, kv_heads, page, dim, cache_dtype), pool(batch * slots // page + 1, kv_heads, page, dim, cache_dtype)
+    keys, values = (pool(batch * slots // page + 1, kv_heads, page, dim, cache_dtype) for _ in "kv")
     valid = torch.ones(batch, slots, dtype=torch.bool)
     kernels.rope_attention(q, k, v, norm, norm, 1e-6, cos, sin, position, slot, keys, values, valid, dim**-0.5,
                            heads, kv_heads, dim, table=table, **options)
