@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 STAGES="gpu-tests rollout-fixed rollout-fixed-1024 rollout-fixed-qwen35 rollout-lognormal-64 rollout-lognormal-128
 rollout-lognormal-paged rollout-lognormal-fp8 rollout-lognormal-qwen35-solo rollout-lognormal-qwen35-tandem step-tandem-fixed step-lognormal
 step-grpo-lognormal step-grpo-lognormal-packed step-qlora-fixed step-grpo-config step-grpo-vllm step-qwen35-lora
-step-switch-unrestricted step-partial-lognormal attention-kernel-lognormal attention-kernel-uniform"
+step-switch-unrestricted step-switch-scoring step-partial-lognormal attention-kernel-lognormal attention-kernel-uniform"
 if [ $# -eq 0 ]; then echo "stages:" $STAGES; exit 0; fi
 OUT=${OUT:?set OUT to a folder for the logs}
 TOKENIZER=${TOKENIZER:-../shared/models/qwen3-tokenizer}
@@ -89,6 +89,9 @@ for name in "$@"; do
     # its mismatch_kl beside step-lognormal's (as drawn) is what that fix removed
     step-switch-unrestricted) stage "$name" 590 "${STEP[@]}" --config "$STEP_CONFIG" --arms tandem \
       --lengths "$LOGNORMAL" --warmup-steps 2 --switch-scoring unrestricted --json "$OUT/$name.json";;
+    # issue 51 in one process: the tandem step scored as drawn, then unrestricted, its mismatch metrics side by side
+    step-switch-scoring) stage "$name" 590 "${STEP[@]}" --config "$STEP_CONFIG" --arms tandem \
+      --lengths "$LOGNORMAL" --warmup-steps 2 --switch-scoring as-drawn unrestricted --json "$OUT/$name.json";;
     # issue 54: each arm as today and with rollout.partial (IN_FLIGHT groups in flight over batches of 16,
     # default 24; MAX_STALENESS updates, default 2: a step makes 2), three measured steps each (the
     # carry fills in the first): rollout seconds, live rows, stale tokens. ARMS="tandem" or "grpo" runs

@@ -122,6 +122,7 @@ def model_folder(hub_name: str, tokenizer: str, root: Path) -> str:
 PARTIAL = "+partial"  # an arm's name with this suffix: the same arm with rollout.partial (--partial)
 KEEP = "+keep-"  # ... then this and a keep_caches value other than none (--keep-caches)
 FP8 = "+fp8"  # ... and with this one (last): with FastEngine's 8-bit KV cache (--compare-fp8)
+UNRESTRICTED = "+unrestricted"  # an arm scored as before issue 51's fix, beside the as-drawn one (--switch-scoring both)
 
 
 def partial_arms(arm: str, keep_caches: list[str]) -> list[str]:
@@ -150,6 +151,7 @@ def build_module(model_args: dict, arm: str, args, root: Path):
     import tandem_lit.rollout  # noqa: F401
     from tandem_lit.training.module import TandemModule
 
+    arm = arm.removesuffix(UNRESTRICTED)  # (run_arm applies it to the built module)
     fp8, arm = arm.endswith(FP8), arm.removesuffix(FP8)
     arm, _, keep = arm.partition(KEEP)
     partial, arm = arm.endswith(PARTIAL), arm.removesuffix(PARTIAL)
@@ -633,9 +635,15 @@ def score_switch_tokens_unrestricted(module) -> None:
     phase.training_rollouts = unrestricted
 
 
+def mean_over_steps(steps: list[dict], key: str) -> float:
+    """``key``'s mean over the steps that have it (not NaN: a partial step may train carried groups only)."""
+    values = [s[key] for s in steps if s[key] == s[key]]
+    return sum(values) / len(values) if values else float("nan")
+
+
 def run_arm(arm: str, model_args: dict, trainer_args: dict, args, root: Path, bandwidth: float) -> dict:
     module = build_module(model_args, arm, args, root)
-    if args.switch_scoring == "unrestricted":
+    if arm.endswith(UNRESTRICTED) or args.switch_scoring == ["unrestricted"]:
         score_switch_tokens_unrestricted(module)
     data = ProblemRows(args.problems, batch_size=args.prompts, seed=0)
     report = StepReport(arm, args.warmup_steps, min(32, module.sampling.max_new_tokens), bandwidth, args.prompts, args.peak_tflops,
@@ -779,9 +787,10 @@ def main() -> None:
                              "the objective's tis_cap 2.0, which it requires)")
     parser.add_argument("--max-staleness", type=int, default=2,
                         help="with --partial: rollout.partial.max_staleness (at least the updates a step makes: 2 in the 4B configs)")
-    parser.add_argument("--switch-scoring", default="as-drawn", choices=["as-drawn", "unrestricted"],
+    parser.add_argument("--switch-scoring", nargs="+", default=["as-drawn"], choices=["as-drawn", "unrestricted"],
                         help="unrestricted: the trainer scores switch tokens under the unrestricted distribution, as "
-                             "before issue 51's fix, against the engine's as-drawn log-probs (mismatch_kl measures the fix)")
+                             "before issue 51's fix, against the engine's as-drawn log-probs (mismatch_kl measures the fix); "
+                             "given both, each arm runs twice, as drawn then unrestricted (named ARM+unrestricted)")
     parser.add_argument("--dump-logprobs", default=None, metavar="FILE",
                         help="write every update pass's rows with the engine's and the training forward's log-probs "
                              "to FILE.<arm>.pt (to take a log-prob gap apart offline)")
@@ -831,6 +840,8 @@ def main() -> None:
                 for name in ([] if args.partial_only else [arm]) + (partial_arms(arm, args.keep_caches) if args.partial else [])]
         if args.compare_fp8:  # each arm as configured, then with the 8-bit cache, one after the other
             arms = [name for arm in arms for name in (arm, arm + FP8)]
+        scorings = ["", UNRESTRICTED] if set(args.switch_scoring) == {"as-drawn", "unrestricted"} else [""]
+        arms = [arm + scoring for arm in arms for scoring in scorings]
         results = {arm: run_arm(arm, model_args, trainer_args, args, root, bandwidth) for arm in arms}
     if not rank_zero():
         return  # rank 0 writes the results
@@ -847,15 +858,16 @@ def main() -> None:
                 print(f"{arm}{label}_over_{over}_rollout={rollout_seconds(name) / rollout_seconds(base):.2f} (in flight "
                       f"{args.partial}, max_staleness {args.max_staleness}; mean over {args.steps} measured steps)")
     if args.compare_fp8:
-        def mean(steps, key):  # over the steps that decoded (a partial step may train carried groups only)
-            values = [s[key] for s in steps if s[key] == s[key]]
-            return sum(values) / len(values) if values else float("nan")
-
         for arm in (a for a in results if not a.endswith(FP8)):
             auto, fp8 = (results[a]["steps"] for a in (arm, arm + FP8))
-            print(f"{arm}_fp8_over_auto_rollout={mean(fp8, 'rollout_seconds') / mean(auto, 'rollout_seconds'):.2f} "
-                  f"decode_step={mean(fp8, 'decode_step_ms') / mean(auto, 'decode_step_ms'):.2f} "
-                  f"mismatch_kl {mean(auto, 'mismatch_kl'):.3g} -> {mean(fp8, 'mismatch_kl'):.3g}")
+            print(f"{arm}_fp8_over_auto_rollout={mean_over_steps(fp8, 'rollout_seconds') / mean_over_steps(auto, 'rollout_seconds'):.2f} "
+                  f"decode_step={mean_over_steps(fp8, 'decode_step_ms') / mean_over_steps(auto, 'decode_step_ms'):.2f} "
+                  f"mismatch_kl {mean_over_steps(auto, 'mismatch_kl'):.3g} -> {mean_over_steps(fp8, 'mismatch_kl'):.3g}")
+    if len(scorings) == 2:
+        for arm in (a for a in results if not a.endswith(UNRESTRICTED)):
+            drawn, unrestricted = (results[a]["steps"] for a in (arm, arm + UNRESTRICTED))
+            print(f"{arm}_mismatch_kl as_drawn={mean_over_steps(drawn, 'mismatch_kl'):.3g} "
+                  f"unrestricted={mean_over_steps(unrestricted, 'mismatch_kl'):.3g} (mean over {args.steps} measured steps)")
     if args.json:
         Path(args.json).write_text(json.dumps({"config": args.config, "device": device_name, "bandwidth": bandwidth,
                                                "args": vars(args), "arms": results}, indent=2))

@@ -255,21 +255,25 @@ def test_delta_rule_cost_times_each_solve_and_the_scan_apart(repo_root):
 def test_train_step_switch_scoring_unrestricted_shows_the_mismatch_the_as_drawn_scoring_removes(repo_root, tmp_path):
     """--switch-scoring unrestricted trains as before switch tokens were scored as drawn (issue 51,
     item 1): against the engine's as-drawn log-probs, mismatch_kl is then the error that fix took
-    out. Float32 on the CPU, so the as-drawn arm's mismatch is exactly 0."""
-    kl = {}
-    for scoring in ("as-drawn", "unrestricted"):
-        out = tmp_path / f"{scoring}.json"
-        run = subprocess.run(
-            [sys.executable, "benchmarks/train_step.py", "--device", "cpu", "--tiny", "--arms", "tandem", "--steps", "3",
-             "--max-new-tokens", "24", "--switch-scoring", scoring, "--json", str(out)],
-            cwd=repo_root, capture_output=True, text=True, timeout=600,
-        )
-        assert run.returncode == 0, run.stderr[-3000:]
-        steps = json.loads(out.read_text())["arms"]["tandem"]["steps"]
-        kl[scoring] = [step["mismatch_kl"] for step in steps]
-        assert all(0 < step["mismatch_ess"] <= 1 for step in steps)
-    assert kl["as-drawn"] == [0.0, 0.0, 0.0]
-    assert max(kl["unrestricted"]) > 0.01, kl  # (a step whose rollouts drew no restricted switch has none)
+    out. Both scorings given: the arm runs twice in one process, as drawn and unrestricted. Float32
+    on the CPU, so the as-drawn arm's mismatch is exactly 0."""
+    out = tmp_path / "scorings.json"
+    run = subprocess.run(
+        [sys.executable, "benchmarks/train_step.py", "--device", "cpu", "--tiny", "--arms", "tandem", "--steps", "3",
+         "--max-new-tokens", "24", "--switch-scoring", "as-drawn", "unrestricted", "--json", str(out)],
+        cwd=repo_root, capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    arms = json.loads(out.read_text())["arms"]
+    assert set(arms) == {"tandem", "tandem+unrestricted"}
+    kl = {arm: [step["mismatch_kl"] for step in result["steps"]] for arm, result in arms.items()}
+    assert all(0 < step["mismatch_ess"] <= 1 for result in arms.values() for step in result["steps"])
+    assert kl["tandem"] == [0.0, 0.0, 0.0]
+    assert max(kl["tandem+unrestricted"]) > 0.01, kl  # (a step whose rollouts drew no restricted switch has none)
+    line = next(line for line in run.stdout.splitlines() if line.startswith("tandem_mismatch_kl "))
+    values = dict(part.split("=") for part in line.split()[1:3])
+    assert float(values["as_drawn"]) == 0 and float(values["unrestricted"]) == pytest.approx(
+        sum(kl["tandem+unrestricted"]) / 3, rel=1e-2)
 
 
 def test_attention_kernel_checks_each_variant_and_split_under_the_interpreter(repo_root):
