@@ -227,6 +227,35 @@ def test_an_out_of_memory_names_the_part_of_the_rollout_and_the_setting():
     assert "traceback and allocator state" not in str(err.value)  # no trainer, no run folder: no report
 
 
+def test_the_out_of_memory_report_says_which_tensors_held_the_device():
+    """tensor_census: each storage once (a view adds nothing), the run's tensors by role (weights,
+    gradients, optimizer state, the rollout copy), the others by shape and dtype, largest first."""
+    from types import SimpleNamespace
+
+    senior, copy = torch.nn.Linear(37, 53, dtype=torch.float64), torch.nn.Linear(37, 53, dtype=torch.float16)
+    optimizer = torch.optim.AdamW(senior.parameters())
+    senior(torch.ones(2, 37, dtype=torch.float64)).sum().backward()
+    optimizer.step()
+    module = SimpleNamespace(senior=senior, junior=None, reference=None, engine=SimpleNamespace(senior=copy))
+    trainer = SimpleNamespace(lightning_module=module, optimizers=[optimizer])
+    activation = torch.zeros(41, 43, dtype=torch.float64)
+    views = [activation[1:], activation.t()]  # noqa: F841  (alive: the census must not count them again)
+    census = out_of_memory.tensor_census(torch.device("cpu"), out_of_memory.known_tensors(trainer), top=1000)
+    head, *rows = census.splitlines()
+    groups = {}  # label -> (bytes, storages), as the report writes them ("  16112 bytes      2 x  gradients")
+    for row in rows:
+        size, unit, count, _, label = row.split(maxsplit=4)
+        groups[label] = (float(size) if unit == "bytes" else float(size) * 1024**2, int(count))
+    weights = (37 * 53 + 53) * 8  # a float64 weight and bias
+    assert groups["senior (trained) weights"] == (weights, 2) and groups["gradients"] == (weights, 2)
+    assert groups["rollout copy of the senior"] == (weights // 4, 2)
+    assert groups["optimizer state"] == (2 * weights + 2 * 4, 6)  # AdamW's two moments and a float32 step per parameter
+    assert groups["other (41, 43) float64"] == (41 * 43 * 8, 1)  # the views are the same storage
+    assert head.startswith("live tensors on cpu held by Python objects: ")
+    sizes = [size for size, _ in groups.values()]
+    assert sizes == sorted(sizes, reverse=True)  # largest first
+
+
 # PyTorch's message, as c10's allocator writes it
 FRAGMENTED = ("CUDA out of memory. Tried to allocate {request}. GPU 0 has a total capacity of 79.19 GiB of which "
               "396.00 MiB is free. Including non-PyTorch memory, this process has 78.79 GiB memory in use. Of the "

@@ -5,17 +5,19 @@ it does not foresee still ends as ``torch.OutOfMemoryError`` deep inside a forwa
 turns that into a ``DeviceMemoryError`` naming where (rollout prefill, rollout decode, update,
 evaluation) and what to lower, with the request that failed and what PyTorch held. The traceback
 and the allocator's state at that moment go to ``out_of_memory.txt`` in the run folder, for what a
-line cannot say (which tensors held the memory). Nothing else is saved on the way out: the last
+line cannot say: which tensors held the memory (``tensor_census``: the live tensors on the device by
+what they are, and what no Python object holds, such as the autograd graph's saved activations). Nothing else is saved on the way out: the last
 checkpoint stays the one written after the last finished step (a step cut short is not a state to
 resume from).
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -126,15 +128,97 @@ def phase(name: str, device, trainer=None, checkpointing: bool | None = None) ->
         raise DeviceMemoryError(line) from err
 
 
+def _storage(tensor: torch.Tensor) -> tuple[int, int]:
+    """(address, bytes) of the memory under ``tensor``: views of one storage count once."""
+    storage = tensor.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+def _on(tensor: torch.Tensor, device: torch.device) -> bool:
+    index = device.index if device.index is not None or device.type != "cuda" else torch.cuda.current_device()
+    return tensor.device.type == device.type and (device.type != "cuda" or tensor.device.index == index)
+
+
+def known_tensors(trainer) -> dict[str, Iterable[torch.Tensor]]:
+    """The tensors a run knows by role: the trained senior's parameters and buffers, their
+    gradients, the optimizer's state, the junior, the reference, the engine's rollout copy."""
+    module = getattr(trainer, "lightning_module", None)
+    if module is None:
+        return {}
+
+    def of(model):
+        return [] if not isinstance(model, torch.nn.Module) else [*model.parameters(), *model.buffers()]
+
+    senior = getattr(module, "senior", None)
+    optimizers = getattr(trainer, "optimizers", None) or []
+    return {
+        "senior (trained) weights": of(senior),
+        "gradients": [p.grad for p in of(senior) if getattr(p, "grad", None) is not None],
+        "optimizer state": [v for opt in optimizers for state in opt.state.values()
+                            for v in state.values() if isinstance(v, torch.Tensor)],
+        "junior weights": of(getattr(module, "junior", None)),
+        "reference weights": of(getattr(module, "reference", None)),
+        "rollout copy of the senior": of(getattr(getattr(module, "engine", None), "senior", None)),
+    }
+
+
+def tensor_census(device: torch.device, known: dict[str, Iterable[torch.Tensor]], allocated: int | None = None,
+                  top: int = 20) -> str:
+    """The memory of every live tensor on ``device`` that a Python object holds, each storage
+    counted once: those in ``known`` by role, the others grouped by shape and dtype (largest
+    first, ``top`` of them). With ``allocated`` (the allocator's bytes in use), also what no
+    Python object holds: the autograd graph's saved activations, CUDA graph pools, workspaces."""
+    role = {}
+    for label, tensors in known.items():
+        for tensor in tensors:
+            if _on(tensor, device):
+                role.setdefault(_storage(tensor)[0], label)
+    live: dict[int, tuple[int, str]] = {}
+    for obj in gc.get_objects():
+        try:
+            # (type(), not isinstance: that would read __class__, which some module proxies warn on)
+            if not issubclass(type(obj), torch.Tensor) or obj.is_meta or not _on(obj, device):
+                continue
+            address, size = _storage(obj)
+        except (ReferenceError, RuntimeError):  # (a dead proxy, a tensor without storage)
+            continue
+        if address not in live:
+            live[address] = size, role.get(address) or f"other {tuple(obj.shape)} {str(obj.dtype).removeprefix('torch.')}"
+    groups: dict[str, list[int]] = {}
+    for size, label in live.values():
+        group = groups.setdefault(label, [0, 0])
+        group[0] += size
+        group[1] += 1
+    seen = sum(size for size, _ in live.values())
+    lines = [f"live tensors on {device} held by Python objects: {_size(seen)} in {len(live)} storages"]
+    if allocated is not None:
+        lines.append(f"allocated but held by no Python object (the autograd graph's saved tensors, CUDA graph pools, "
+                     f"workspaces): {_size(max(allocated - seen, 0))}")
+    ranked = sorted(groups.items(), key=lambda item: -item[1][0])
+    for label, (size, count) in ranked[:top]:
+        lines.append(f"  {_size(size):>12}  {count:5d} x  {label}")
+    if len(ranked) > top:
+        rest = sum(size for _, (size, _) in ranked[top:])
+        lines.append(f"  {_size(rest):>12}  in {len(ranked) - top} smaller groups")
+    return "\n".join(lines)
+
+
+def _size(nbytes: int) -> str:
+    if nbytes >= 1024**3:
+        return f"{nbytes / 1024**3:.2f} GiB"
+    return f"{nbytes / 1024**2:.2f} MiB" if nbytes >= 1024**2 else f"{nbytes} bytes"
+
+
 def write_report(line: str, err: BaseException, device, trainer) -> Path | None:
-    """``REPORT`` in the run folder: the line, the traceback and (on CUDA) the allocator's summary
-    as the error left it. None where there is no run folder or it cannot be written (the one line
+    """``REPORT`` in the run folder: the line, the traceback and (on CUDA) the tensors that held the
+    device (``tensor_census``) and the allocator's summary, as the error left them. None where there is no run folder or it cannot be written (the one line
     still goes out)."""
     folder = getattr(trainer, "default_root_dir", None)
     if folder is None or not Path(folder).is_dir():
         return None
     parts = [line, "".join(traceback.format_exception(err))]
     if isinstance(device, torch.device) and device.type == "cuda":
+        parts.append(tensor_census(device, known_tensors(trainer), torch.cuda.memory_allocated(device)))
         parts.append(torch.cuda.memory_summary(device))
     path = Path(folder) / REPORT
     try:
