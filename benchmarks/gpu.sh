@@ -16,7 +16,8 @@ cd "$(dirname "$0")/.."
 STAGES="gpu-tests rollout-fixed rollout-fixed-1024 rollout-fixed-qwen35 rollout-lognormal-64 rollout-lognormal-128
 rollout-lognormal-paged rollout-lognormal-fp8 rollout-lognormal-qwen35-solo rollout-lognormal-qwen35-tandem step-tandem-fixed step-lognormal
 step-grpo-lognormal step-grpo-lognormal-packed step-qlora-fixed step-grpo-config step-grpo-vllm step-qwen35-lora
-step-switch-unrestricted step-switch-scoring step-partial-lognormal attention-kernel-lognormal attention-kernel-uniform"
+step-switch-unrestricted step-switch-scoring step-partial-lognormal attention-kernel-lognormal attention-kernel-uniform
+catch-up-attention"
 if [ $# -eq 0 ]; then echo "stages:" $STAGES; exit 0; fi
 OUT=${OUT:?set OUT to a folder for the logs}
 TOKENIZER=${TOKENIZER:-../shared/models/qwen3-tokenizer}
@@ -111,6 +112,8 @@ for name in "$@"; do
       --batch 128 64 --json "$OUT/$name.json";;
     attention-kernel-uniform) stage "$name" 300 python3 benchmarks/attention_kernel.py --batch 128 --used 1024 2048 \
       --json "$OUT/$name.json";;
+    # the catch-up kernel decoding only the author would need (dev/author_only_decode.md), against the decode kernel
+    catch-up-attention) stage "$name" 120 python3 dev/benchmarks/catch_up_attention.py --batch 128 64 --json "$OUT/$name.json";;
     *) echo "unknown stage $name; stages: $STAGES"; exit 2;;
   esac
 done

@@ -267,6 +267,7 @@ FRAGMENTED = ("CUDA out of memory. Tried to allocate {request}. GPU 0 has a tota
 @pytest.mark.parametrize(("request_size", "idle", "env", "told"), [
     ("2.00 GiB", "8.27 GiB", "", True),  # room enough, in pieces: fragmentation
     ("2.00 GiB", "1.50 GiB", "", False),  # not enough room either way: lower a setting
+    ("104.00 MiB", "1.34 GiB", "", False),  # 1.34 of 71 GiB idle: the card is full, not fragmented (the Qwen3.5 LoRA update, 2026-12-08)
     ("512.00 MiB", "0 bytes", "", False),
     ("2.00 GiB", "8.27 GiB", "expandable_segments:True", False),  # the run sets them already
 ])

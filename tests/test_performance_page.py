@@ -49,7 +49,8 @@ def test_every_row_has_its_card_date_commit_and_command(manifest, repo_root):
     for key, run in manifest["runs"].items():
         assert run["card"] in manifest["cards"], key
         assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", run["date"]) and re.fullmatch(r"[0-9a-f]{7,40}", run["commit"]), key
-        assert run["command"].startswith(("python benchmarks/", "tandem-lit ")), key
+        # (environment settings first, as a user would type them)
+        assert re.match(r"([A-Z_]+=\S+ )*(python (dev/)?benchmarks/|tandem-lit )", run["command"]), key
         script = run.get("script", performance_page.STAGE_SCRIPT)
         assert run["stage"] in stages[script], f"{key}: {script} has no stage {run['stage']}"
     page = PAGE.read_text()
