@@ -158,3 +158,14 @@ def test_kernels_match_the_torch_decode_path():
     done = subprocess.run([sys.executable, "-c", CHECK], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "kernels ok" in done.stdout
+
+
+def test_the_triton_decode_step_equals_the_torch_step_with_programs_longest_row_first(repo_root):
+    """StaticDecoderModel's Triton decode step (tests/interpret_decode_step.py, in the interpreter):
+    the logits of its torch step, slot caches and a paged pool, with the attention programs given
+    the rows longest first in every layer."""
+    run = subprocess.run([sys.executable, "tests/interpret_decode_step.py"], cwd=repo_root, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(repo_root)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert float(run.stdout.split("largest logit difference ")[1].split()[0]) < 1e-5
+    assert "order ok" in run.stdout

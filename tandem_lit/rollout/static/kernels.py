@@ -279,8 +279,8 @@ def rope_attention(
     programs start row by row in that order, each row's KV heads side by side, instead of row-major
     by KV head. Where fewer programs fit on the card at once than the grid holds (at 128 rows of
     Qwen3-4B's heads, by the registers tests/kernels_compiled.py reports), the rows that start last
-    set the kernel's end; longest first, the longest rows are not among them. Not used by the
-    engine yet (benchmarks/attention_kernel.py times it).
+    set the kernel's end; longest first, the longest rows are not among them. The engine's decode
+    passes it (``StaticDecoderModel._decode_triton``); benchmarks/attention_kernel.py times both.
     """
     if f16_dot and k_cache.dtype != torch.float8_e4m3fn:
         raise ValueError("f16_dot reads an 8-bit cache only")

@@ -265,6 +265,10 @@ class StaticDecoderModel:
 
         x = self.embed.weight[token]  # [B, H], the residual stream (updated in place)
         delta = None
+        # the attention programs start longest row first: at 128 rows not all of them are resident at
+        # once, and a long row that started last would set each layer's end (docs/performance.md,
+        # "The decode-attention kernel alone"); one sort of B slots a step, in the captured graph
+        order = torch.argsort(slot, descending=True)
         for i, layer in enumerate(self.layers):
             h = kernels.add_rms_norm(x, delta, layer.input_norm.weight, eps_of(layer.input_norm))
             attended = kernels.rope_attention(
@@ -274,7 +278,7 @@ class StaticDecoderModel:
                 eps_of(layer.q_norm) if layer.q_norm is not None else 0.0,
                 self.cos, self.sin, position, slot, self.k_cache[i], self.v_cache[i], valid,
                 self.scaling, self.heads, self.kv_heads, self.head_dim, table=table,
-                split_positions=self.split_positions, f16_dot=self.f16_products,
+                split_positions=self.split_positions, f16_dot=self.f16_products, order=order,
             )
             delta = layer.o(attended)
             h = kernels.add_rms_norm(x, delta, layer.post_norm.weight, eps_of(layer.post_norm))
