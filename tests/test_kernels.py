@@ -169,3 +169,17 @@ def test_the_triton_decode_step_equals_the_torch_step_with_programs_longest_row_
     assert run.returncode == 0, run.stderr[-3000:]
     assert float(run.stdout.split("largest logit difference ")[1].split()[0]) < 1e-5
     assert "order ok" in run.stdout
+
+
+def test_longest_first_is_a_stable_descending_sort_without_sorting():
+    """The row order the decode step gives its attention programs (captured in a CUDA graph, so
+    counted, not sorted): torch's stable descending argsort, ties included."""
+    import torch
+
+    from tandem_lit.rollout.static.plain import longest_first
+
+    generator = torch.Generator().manual_seed(0)
+    for rows in (1, 2, 7, 128):
+        slot = torch.randint(0, 5, (rows,), generator=generator)  # many ties
+        assert longest_first(slot).tolist() == torch.argsort(slot, descending=True, stable=True).tolist()
+    assert longest_first(torch.tensor([5, 19, 2, 11])).tolist() == [1, 3, 0, 2]

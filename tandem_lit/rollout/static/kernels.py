@@ -275,7 +275,7 @@ def rope_attention(
     per pair on a GPU, instead of q's dtype (the engine's choice for a 16-bit model:
     ``StaticDecoderModel.f16_products``).
 
-    ``order`` [B] (a permutation of the rows, e.g. ``torch.argsort(slot, descending=True)``): the
+    ``order`` [B] (a permutation of the rows, e.g. ``plain.longest_first(slot)``): the
     programs start row by row in that order, each row's KV heads side by side, instead of row-major
     by KV head. Where fewer programs fit on the card at once than the grid holds (at 128 rows of
     Qwen3-4B's heads, by the registers tests/kernels_compiled.py reports), the rows that start last

@@ -32,6 +32,15 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # and Qwen3.5's 
 _POSITION_ONLY_ROPE = ("default", "linear", "llama3", "yarn", None)
 
 
+def longest_first(slot: Tensor) -> Tensor:  # [B] -> [B] long
+    """The rows by descending ``slot``, ties in row order: ``torch.argsort(slot, descending=True,
+    stable=True)``, computed by counting (each row's rank is the rows ahead of it) so that the decode
+    step's CUDA graph captures only elementwise ops and reductions, no sort."""
+    rows = torch.arange(slot.shape[0], device=slot.device)
+    ahead = (slot[None, :] > slot[:, None]) | ((slot[None, :] == slot[:, None]) & (rows[None, :] < rows[:, None]))
+    return torch.empty_like(rows).scatter_(0, ahead.sum(1), rows)
+
+
 class _Layer:
     def __init__(self, layer: nn.Module):
         attn, mlp = layer.self_attn, layer.mlp
@@ -267,8 +276,8 @@ class StaticDecoderModel:
         delta = None
         # the attention programs start longest row first: at 128 rows not all of them are resident at
         # once, and a long row that started last would set each layer's end (docs/performance.md,
-        # "The decode-attention kernel alone"); one sort of B slots a step, in the captured graph
-        order = torch.argsort(slot, descending=True)
+        # "The decode-attention kernel alone")
+        order = longest_first(slot)
         for i, layer in enumerate(self.layers):
             h = kernels.add_rms_norm(x, delta, layer.input_norm.weight, eps_of(layer.input_norm))
             attended = kernels.rope_attention(
