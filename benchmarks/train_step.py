@@ -122,7 +122,7 @@ def model_folder(hub_name: str, tokenizer: str, root: Path) -> str:
 PARTIAL = "+partial"  # an arm's name with this suffix: the same arm with rollout.partial (--partial)
 KEEP = "+keep-"  # ... then this and a keep_caches value other than none (--keep-caches)
 FP8 = "+fp8"  # ... and with this one (last): with FastEngine's 8-bit KV cache (--compare-fp8)
-UNRESTRICTED = "+unrestricted"  # an arm scored as before issue 51's fix, beside the as-drawn one (--switch-scoring both)
+UNRESTRICTED = "+unrestricted"  # an arm scored as before issue 51's fix, beside the as-drawn one (--switch-scoring as-drawn unrestricted)
 
 
 def partial_arms(arm: str, keep_caches: list[str]) -> list[str]:

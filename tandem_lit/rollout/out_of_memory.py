@@ -5,10 +5,10 @@ it does not foresee still ends as ``torch.OutOfMemoryError`` deep inside a forwa
 turns that into a ``DeviceMemoryError`` naming where (rollout prefill, rollout decode, update,
 evaluation) and what to lower, with the request that failed and what PyTorch held. The traceback
 and the allocator's state at that moment go to ``out_of_memory.txt`` in the run folder, for what a
-line cannot say: which tensors held the memory (``tensor_census``: the live tensors on the device by
-what they are, and what no Python object holds, such as the autograd graph's saved activations). Nothing else is saved on the way out: the last
-checkpoint stays the one written after the last finished step (a step cut short is not a state to
-resume from).
+line cannot say: which tensors held the memory (``tensor_census``: the live tensors on the device
+by what they are, and what no Python object holds, such as the autograd graph's saved
+activations). Nothing else is saved on the way out: the last checkpoint stays the one written
+after the last finished step (a step cut short is not a state to resume from).
 """
 
 from __future__ import annotations
@@ -218,8 +218,8 @@ def _size(nbytes: int) -> str:
 
 def write_report(line: str, err: BaseException, device, trainer) -> Path | None:
     """``REPORT`` in the run folder: the line, the traceback and (on CUDA) the tensors that held the
-    device (``tensor_census``) and the allocator's summary, as the error left them. None where there is no run folder or it cannot be written (the one line
-    still goes out)."""
+    device (``tensor_census``) and the allocator's summary, as the error left them. None where
+    there is no run folder or it cannot be written (the one line still goes out)."""
     folder = getattr(trainer, "default_root_dir", None)
     if folder is None or not Path(folder).is_dir():
         return None
