@@ -99,12 +99,13 @@ for name in "$@"; do
     # one arm's pair (a pair fills a call on an H100); PARTIAL_ONLY=1 only the partial arm; KV_DTYPE=fp8
     # FastEngine's 8-bit KV cache in both; COMPARE_FP8=1 each arm again with it (arm+fp8), in the same run;
     # KEEP_CACHES="none junior both": one partial arm per rollout.partial.keep_caches value;
-    # ATTENTION_SPLIT=N FastEngine's decode attention in chunks of N slots (attention_split), every arm
+    # ATTENTION_SPLIT=N FastEngine's decode attention in chunks of N slots (attention_split), every arm;
+    # COMPARE_ORDER=1 each arm again with the decode attention's programs in row order (attention_order: rows)
     step-partial-lognormal) keep=${KEEP_CACHES:+-keep-${KEEP_CACHES// /-}}
-      tag="${ARMS:+-${ARMS// /-}}${IN_FLIGHT:+-f$IN_FLIGHT}${MAX_STALENESS:+-s$MAX_STALENESS}${KV_DTYPE:+-$KV_DTYPE}${COMPARE_FP8:+-vs-fp8}${ATTENTION_SPLIT:+-split$ATTENTION_SPLIT}$keep"
+      tag="${ARMS:+-${ARMS// /-}}${IN_FLIGHT:+-f$IN_FLIGHT}${MAX_STALENESS:+-s$MAX_STALENESS}${KV_DTYPE:+-$KV_DTYPE}${COMPARE_FP8:+-vs-fp8}${COMPARE_ORDER:+-vs-rows-order}${ATTENTION_SPLIT:+-split$ATTENTION_SPLIT}$keep"
       stage "$name$tag" 590 "${STEP[@]}" --config "$STEP_CONFIG" --arms ${ARMS:-tandem grpo} \
       --lengths "$LOGNORMAL" --warmup-steps 2 --steps "${MEASURED_STEPS:-3}" --partial "${IN_FLIGHT:-24}" \
-      --max-staleness "${MAX_STALENESS:-2}" ${PARTIAL_ONLY:+--partial-only} ${KV_DTYPE:+--kv-cache-dtype $KV_DTYPE} ${COMPARE_FP8:+--compare-fp8} \
+      --max-staleness "${MAX_STALENESS:-2}" ${PARTIAL_ONLY:+--partial-only} ${KV_DTYPE:+--kv-cache-dtype $KV_DTYPE} ${COMPARE_FP8:+--compare-fp8} ${COMPARE_ORDER:+--compare-attention-order} \
       ${KEEP_CACHES:+--keep-caches $KEEP_CACHES} ${ATTENTION_SPLIT:+--attention-split $ATTENTION_SPLIT} --json "$OUT/$name$tag.json";;
     # the decode-attention kernel alone: bf16 and 8-bit pools (widened to bf16 or float16), unsplit and split, rows at
     # the partial step's lognormal mix (128 and 64 of them) or all at one length

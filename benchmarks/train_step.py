@@ -121,7 +121,8 @@ def model_folder(hub_name: str, tokenizer: str, root: Path) -> str:
 
 PARTIAL = "+partial"  # an arm's name with this suffix: the same arm with rollout.partial (--partial)
 KEEP = "+keep-"  # ... then this and a keep_caches value other than none (--keep-caches)
-FP8 = "+fp8"  # ... and with this one (last): with FastEngine's 8-bit KV cache (--compare-fp8)
+FP8 = "+fp8"  # ... and with this one: with FastEngine's 8-bit KV cache (--compare-fp8)
+ROWS = "+rows-order"  # ... then this: FastEngine's decode attention in row order (--compare-attention-order)
 UNRESTRICTED = "+unrestricted"  # an arm scored as before issue 51's fix, beside the as-drawn one (--switch-scoring as-drawn unrestricted)
 
 
@@ -152,6 +153,7 @@ def build_module(model_args: dict, arm: str, args, root: Path):
     from tandem_lit.training.module import TandemModule
 
     arm = arm.removesuffix(UNRESTRICTED)  # (run_arm applies it to the built module)
+    rows_order, arm = arm.endswith(ROWS), arm.removesuffix(ROWS)
     fp8, arm = arm.endswith(FP8), arm.removesuffix(FP8)
     arm, _, keep = arm.partition(KEEP)
     partial, arm = arm.endswith(PARTIAL), arm.removesuffix(PARTIAL)
@@ -208,6 +210,8 @@ def build_module(model_args: dict, arm: str, args, root: Path):
         set_fast_engine_args(init, arm, "--kv-cache-dtype sets FastEngine's cache dtype", kv_cache_dtype=kv_dtype)
     if args.attention_split and arm != "grpo-vllm":  # FastEngine's decode attention in chunks of slots
         set_fast_engine_args(init, arm, "--attention-split sets FastEngine's attention", attention_split=args.attention_split)
+    if rows_order:  # the decode attention's programs row-major, as before they started longest row first
+        set_fast_engine_args(init, arm, "--compare-attention-order sets FastEngine's attention", attention_order="rows")
     # what draws tokens from a policy the trainer does not compute (8-bit keys and values, or the
     # senior's keys kept over the update) trains with the objective's correction, which fit requires
     if kv_dtype == "fp8" and arm != "grpo-vllm" or partial and keep == "both":
@@ -676,6 +680,7 @@ def run_arm(arm: str, model_args: dict, trainer_args: dict, args, root: Path, ba
         f"fused kernels: {', '.join(module.updates.fused_kernels) or 'none'}")
     result = {"arm": arm, "steps": report.steps, "estimate_peak_gb": estimate.peak / GIB, "estimate": estimate.table(),
               "engine": type(module.engine).__name__, "kv_cache": getattr(module.engine, "kv_cache", None),
+              "attention_order": getattr(module.engine, "attention_order", None),
               "fused_kernels": list(module.updates.fused_kernels),
               "rollout_dtype": str(next(module.engine.senior.parameters()).dtype)}
     del module, trainer
@@ -754,6 +759,9 @@ def main() -> None:
                         help="FastEngine's kv_cache_dtype (default: the config's); fp8: keys and values in 8 bits")
     parser.add_argument("--attention-split", type=int, default=None,
                         help="FastEngine's attention_split: decode attention over chunks of this many slots per program")
+    parser.add_argument("--compare-attention-order", action="store_true",
+                        help="each FastEngine arm again with its decode attention's programs in row order (attention_order: "
+                             "rows), in the same run: the decode step's and rollout's ratio to the default longest-first order")
     parser.add_argument("--compare-fp8", action="store_true",
                         help="also run each arm with FastEngine's 8-bit KV cache (arm+fp8; with the objective's tis_cap 2.0 "
                              "unless the config sets one: fit requires it) and print the ratio of its rollout "
@@ -840,6 +848,8 @@ def main() -> None:
                 for name in ([] if args.partial_only else [arm]) + (partial_arms(arm, args.keep_caches) if args.partial else [])]
         if args.compare_fp8:  # each arm as configured, then with the 8-bit cache, one after the other
             arms = [name for arm in arms for name in (arm, arm + FP8)]
+        if args.compare_attention_order:  # ... then with the attention's programs in row order
+            arms = [name for arm in arms for name in (arm, arm + ROWS)]
         scorings = ["", UNRESTRICTED] if set(args.switch_scoring) == {"as-drawn", "unrestricted"} else [""]
         arms = [arm + scoring for arm in arms for scoring in scorings]
         results = {arm: run_arm(arm, model_args, trainer_args, args, root, bandwidth) for arm in arms}
@@ -858,13 +868,19 @@ def main() -> None:
                 print(f"{arm}{label}_over_{over}_rollout={rollout_seconds(name) / rollout_seconds(base):.2f} (in flight "
                       f"{args.partial}, max_staleness {args.max_staleness}; mean over {args.steps} measured steps)")
     if args.compare_fp8:
-        for arm in (a for a in results if not a.endswith(FP8)):
+        for arm in (a for a in results if a + FP8 in results):
             auto, fp8 = (results[a]["steps"] for a in (arm, arm + FP8))
             print(f"{arm}_fp8_over_auto_rollout={mean_over_steps(fp8, 'rollout_seconds') / mean_over_steps(auto, 'rollout_seconds'):.2f} "
                   f"decode_step={mean_over_steps(fp8, 'decode_step_ms') / mean_over_steps(auto, 'decode_step_ms'):.2f} "
                   f"mismatch_kl {mean_over_steps(auto, 'mismatch_kl'):.3g} -> {mean_over_steps(fp8, 'mismatch_kl'):.3g}")
+    if args.compare_attention_order:
+        for arm in (a for a in results if a.endswith(ROWS)):
+            ordered, rows = (results[a]["steps"] for a in (arm.removesuffix(ROWS), arm))
+            print(f"{arm.removesuffix(ROWS)}_rows_over_longest_first_decode_step="
+                  f"{mean_over_steps(rows, 'decode_step_ms') / mean_over_steps(ordered, 'decode_step_ms'):.2f} "
+                  f"rollout={mean_over_steps(rows, 'rollout_seconds') / mean_over_steps(ordered, 'rollout_seconds'):.2f}")
     if len(scorings) == 2:
-        for arm in (a for a in results if not a.endswith(UNRESTRICTED)):
+        for arm in (a for a in results if a + UNRESTRICTED in results):
             drawn, unrestricted = (results[a]["steps"] for a in (arm, arm + UNRESTRICTED))
             print(f"{arm}_mismatch_kl as_drawn={mean_over_steps(drawn, 'mismatch_kl'):.3g} "
                   f"unrestricted={mean_over_steps(unrestricted, 'mismatch_kl'):.3g} (mean over {args.steps} measured steps)")

@@ -40,14 +40,19 @@ def main() -> None:
         for cache in (*model.k_cache, *model.v_cache):  # the earlier tokens' keys and values
             cache.normal_()
         saved = [c.clone() for c in (*model.k_cache, *model.v_cache)]
-        torch_logits = model.decode(token, position, slot, valid, S, triton=False, table=table)
-        for cache, copy in zip((*model.k_cache, *model.v_cache), saved):  # (the torch step wrote the new token's)
-            cache.copy_(copy)
-        triton_logits = model.decode(token, position, slot, valid, S, triton=True, table=table)
-        worst = max(worst, (triton_logits - torch_logits).abs().max().item())
+        torch_logits = model.decode(token, position, slot, valid, S, triton=False, table=table)  # (writes the new token's)
+        for longest_first in (False, True):  # FastEngine's attention_order: rows, then the default
+            model.programs_longest_first = longest_first
+            for cache, copy in zip((*model.k_cache, *model.v_cache), saved):
+                cache.copy_(copy)
+            triton_logits = model.decode(token, position, slot, valid, S, triton=True, table=table)
+            worst = max(worst, (triton_logits - torch_logits).abs().max().item())
     print(f"largest logit difference {worst:.2e}")
-    assert len(given) == 2 * len(model.layers) and all(o is not None for o in given), given
-    assert all(o.tolist() == [1, 3, 0, 2] for o in given), given  # longest row first
+    layers = len(model.layers)
+    assert len(given) == 4 * layers, given  # 2 layouts x 2 orders
+    for start in (0, 2 * layers):  # each layout: row order (None), then longest row first
+        assert all(o is None for o in given[start:start + layers]), given
+        assert all(o is not None and o.tolist() == [1, 3, 0, 2] for o in given[start + layers:start + 2 * layers]), given
     print("order ok")
 
 

@@ -53,3 +53,13 @@ def test_split_attention_writes_the_tokens_unsplit_attention_writes(tokenizer, k
         assert split.completion_mask.sum(1).min() == 300  # (every row reaches its third chunk)
         assert_same_rollouts(unsplit, split)
         torch.testing.assert_close(unsplit.senior_logprobs, split.senior_logprobs, atol=1e-4, rtol=1e-4)
+
+
+def test_the_attention_order_is_checked_and_reaches_the_decode_step(tokenizer):
+    with pytest.raises(ConfigError, match="attention_order must be 'longest_first' or 'rows', got 'random'"):
+        FastEngine(attention_order="random")
+    for order, longest_first in (("longest_first", True), ("rows", False)):
+        engine = FastEngine(kernels="torch", rollout_dtype="float32", attention_order=order)
+        engine.setup(build("qwen3", len(tokenizer), 32, 1, seed=0), None, tokenizer)
+        engine.generate(prompt_batch(tokenizer, "cpu"), SoloHandoff(), SamplingConfig(temperature=0.0, max_new_tokens=2))
+        assert engine.models["senior"].programs_longest_first is longest_first

@@ -276,6 +276,24 @@ def test_train_step_switch_scoring_unrestricted_shows_the_mismatch_the_as_drawn_
         sum(kl["tandem+unrestricted"]) / 3, rel=1e-2)
 
 
+def test_train_step_compares_the_attention_order_in_one_run(repo_root, tmp_path):
+    """--compare-attention-order runs each arm again with FastEngine's decode attention in row
+    order (attention_order: rows) and prints the ratios; on the CPU's torch path the order changes
+    nothing, so the two arms write the same tokens."""
+    out = tmp_path / "order.json"
+    run = subprocess.run(
+        [sys.executable, "benchmarks/train_step.py", "--device", "cpu", "--tiny", "--arms", "tandem", "--steps", "1",
+         "--max-new-tokens", "8", "--compare-attention-order", "--json", str(out)],
+        cwd=repo_root, capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    arms = json.loads(out.read_text())["arms"]
+    assert {arm: result["attention_order"] for arm, result in arms.items()} == {
+        "tandem": "longest_first", "tandem+rows-order": "rows"}
+    line = next(line for line in run.stdout.splitlines() if line.startswith("tandem_rows_over_longest_first_decode_step="))
+    assert float(line.split("rollout=")[1]) > 0
+
+
 def test_attention_kernel_checks_each_variant_and_split_under_the_interpreter(repo_root):
     """benchmarks/attention_kernel.py's CPU check (Triton's interpreter): rows at the lognormal mix,
     every cache variant and split size run, and a split row's output is the unsplit one's."""

@@ -211,6 +211,10 @@ class FastEngine(RolloutEngine):
             reordered, so tokens may differ in the last bit of a log-prob). Off by default: on an
             H100 it paid at 128 rows of long-tailed lengths but not at 64 (docs/performance.md,
             "The decode-attention kernel alone"). Plain attention models only.
+        attention_order: ``longest_first`` (default): the Triton decode attention starts its
+            programs row by row, longest row first, so the longest rows are not among those that
+            wait for a second wave (at 128 rows not every program is resident at once); ``rows``:
+            row-major by KV head, as before 2026-12-08, to compare. Speed only: the same tokens.
     """
 
     queues_rows = True
@@ -234,6 +238,7 @@ class FastEngine(RolloutEngine):
         overlap_prefill: Literal["on", "off"] = "off",
         kv_cache_dtype: Literal["auto", "fp8"] = "auto",
         attention_split: int | None = None,
+        attention_order: Literal["longest_first", "rows"] = "longest_first",
     ):
         if refill not in ("amortized", "eager"):
             raise ConfigError(f"refill must be 'amortized' or 'eager', got {refill!r}")
@@ -250,6 +255,9 @@ class FastEngine(RolloutEngine):
         if attention_split is not None and (attention_split < 128 or attention_split % 128):
             raise ConfigError(f"attention_split must be a multiple of 128 (slots per program) or null, got {attention_split!r}")
         self.attention_split = attention_split
+        if attention_order not in ("longest_first", "rows"):
+            raise ConfigError(f"attention_order must be 'longest_first' or 'rows', got {attention_order!r}")
+        self.attention_order = attention_order
         check_kv_cache(kv_cache, kv_page_size, kv_cache_tokens, kv_cache_gib)
         self.kv_cache, self.kv_page_size = kv_cache, kv_page_size
         self.kv_cache_tokens, self.kv_cache_gib = kv_cache_tokens, kv_cache_gib
@@ -376,11 +384,12 @@ class FastEngine(RolloutEngine):
         self._batch = _Batch(capacity, length, vocab, any_model.device, pages, self.kv_page_size)
         return self._batch
 
-    def _set_decode_settings(self) -> None:  # (and the attention's split: both are read when a step is captured)
+    def _set_decode_settings(self) -> None:  # (and the attention's split and order: read when a step is captured)
         for model in self.models.values():
             if isinstance(model, StaticDecoderModel):
                 model.cache_dtype = FP8_CACHE if self.kv_cache_dtype == "fp8" else model.dtype
                 model.split_positions = self.attention_split
+                model.programs_longest_first = self.attention_order == "longest_first"
 
     def _pool_pages(self, capacity: int, length: int) -> int:
         """Pages of the paged pool, the scratch page included (see ``kv_cache_tokens``)."""

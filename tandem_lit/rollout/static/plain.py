@@ -96,6 +96,7 @@ class StaticDecoderModel:
         self.device, self.dtype = weight.device, weight.dtype
         self.cache_dtype = self.dtype  # the KV caches' (FastEngine's kv_cache_dtype: fp8 sets 8 bits)
         self.split_positions: int | None = None  # the Triton attention's chunks (FastEngine's attention_split)
+        self.programs_longest_first = True  # the attention programs longest row first (FastEngine's attention_order)
         self.k_cache: list[Tensor] = []  # per layer: [B, KV, S, D] slots, or a [pages, KV, page_size, D] pool
         self.v_cache: list[Tensor] = []
         self.page_size = 0  # 0: one cache row per decode row (slots); else the paged pool's page
@@ -277,7 +278,7 @@ class StaticDecoderModel:
         # the attention programs start longest row first: at 128 rows not all of them are resident at
         # once, and a long row that started last would set each layer's end (docs/performance.md,
         # "The decode-attention kernel alone")
-        order = longest_first(slot)
+        order = longest_first(slot) if self.programs_longest_first else None
         for i, layer in enumerate(self.layers):
             h = kernels.add_rms_norm(x, delta, layer.input_norm.weight, eps_of(layer.input_norm))
             attended = kernels.rope_attention(
