@@ -88,11 +88,11 @@ def catch_up(batch: int, per_span: int) -> None:
 
 
 with compiling_for(90) as compiled:
-    for batch in (128, 16):  # the two launch settings rope_attention picks
-        qwen3_attention(batch)
-    qwen3_attention(128, cache_dtype=FP8, f16_dot=True)
-    qwen3_attention(128, split_positions=1024)
-    qwen3_attention(128, order=torch.arange(128))  # programs in a given row order
+    for batch in (128, 16):  # the two launch settings rope_attention picks, programs in a given row order (the engine's)
+        qwen3_attention(batch, order=torch.arange(batch))
+    qwen3_attention(128, cache_dtype=FP8, f16_dot=True, order=torch.arange(128))
+    qwen3_attention(128, split_positions=1024, order=torch.arange(128))
+    qwen3_attention(128)  # row-major (FastEngine's attention_order: rows)
     qwen35_steps(32)
     step_kernels(128)
     for per_span in (4, 8):
