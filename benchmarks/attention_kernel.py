@@ -10,7 +10,8 @@ Variants: ``bf16`` (a bf16 pool); ``fp8`` (8-bit, widened to q's dtype for the p
 engine until 2026-12-07); ``fp8+f16dot`` (8-bit, widened to float16: the engine's for a 16-bit
 model since). Each unsplit and split into chunks of ``--split-positions`` slots
 (``FastEngine(attention_split=...)``), and unsplit with its programs started longest row first
-(``rope_attention``'s ``order``; not the engine's yet).
+(``rope_attention``'s ``order``, as ``plain.longest_first`` gives it: the engine's since 2026-12-08;
+the plain timings are its ``attention_order: rows``).
 
 ``--lengths uniform`` puts every row at ``--used`` positions; ``lognormal`` draws each row's
 sequence as issue 54's step does (prompt of 150, response lognormal with median ``--used`` and
@@ -30,6 +31,7 @@ from pathlib import Path
 import torch
 
 from tandem_lit.rollout.static.kernels import rope_attention
+from tandem_lit.rollout.static.plain import longest_first
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Qwen3-4B
 ENGINE_DEFAULT = (64, 2, 2)  # rope_attention's block_n, num_warps, num_stages from batch 64 up
@@ -104,10 +106,9 @@ def main() -> None:
                 gap = (call(*call_args, *ENGINE_DEFAULT, table=table, split_positions=split).float()
                        - outputs[name]).abs().max().item()
                 print(f"B={batch} positions={used} {name} split {split}: max abs difference from unsplit {gap:.2e}")
-            # the same output, the programs started longest row first (rope_attention's ``order``)
-            longest_first = functools.partial(call, *call_args, *ENGINE_DEFAULT, table=table,
-                                              order=torch.argsort(call_args[9], descending=True))
-            gap = (longest_first().float() - outputs[name]).abs().max().item()
+            # the same output, the programs started longest row first, as the engine orders them
+            ordered = functools.partial(call, *call_args, *ENGINE_DEFAULT, table=table, order=longest_first(call_args[9]))
+            gap = (ordered().float() - outputs[name]).abs().max().item()
             print(f"B={batch} positions={used} {name} longest first: max abs difference from row order {gap:.2e}")
             if args.device == "cpu":
                 continue
@@ -148,7 +149,7 @@ def main() -> None:
                 cases.append({"batch": batch, "lengths": args.lengths, "used": used, "variant": name, "split": split or 0,
                               "us": split_ms * 1000, "tb_s": bytes_read / split_ms / 1e9,
                               "longest_alone_us": alone_ms * 1000})
-            ordered_ms = triton.testing.do_bench(longest_first, warmup=10, rep=50)
+            ordered_ms = triton.testing.do_bench(ordered, warmup=10, rep=50)
             print(f"B={batch} positions={used} {name} longest first: {ordered_ms * 1000:.0f} us "
                   f"({bytes_read / ordered_ms / 1e9:.2f} TB/s) against {default_ms * 1000:.0f} in row order", flush=True)
             cases.append({"batch": batch, "lengths": args.lengths, "used": used, "variant": f"{name} longest-first",
