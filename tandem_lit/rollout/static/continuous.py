@@ -474,8 +474,9 @@ def prefill_parts(starts: list[int], budget: int) -> list[list[int]]:
     prefill of many resumed sequences would otherwise hold all their activations and keys at once.
     Longest first, so that sequences of like length share a run: resumed sequences come back at
     every length up to the cap, and in admission order a run pads every row to the longest that
-    happens to be in it (at issue 54's lengths that about doubled the positions prefilled:
-    dev/log.md has the counts). Which run a sequence is prefilled in changes nothing it writes."""
+    happens to be in it (counted over simulated admissions at issue 54's lengths, about twice the
+    positions; in a measured step the prefill took as long either way, being arithmetic-bound:
+    dev/log.md, 2026-12-08). Which run a sequence is prefilled in changes nothing it writes."""
     parts: list[list[int]] = []
     longest = 0
     for i in sorted(range(len(starts)), key=lambda i: -starts[i]):

@@ -209,8 +209,9 @@ class FastEngine(RolloutEngine):
             alone; a number (a multiple of 128): slots in chunks of that many, each chunk its own
             program, merged by a second kernel (flash-decoding). Speed only (the sums are
             reordered, so tokens may differ in the last bit of a log-prob). Off by default: on an
-            H100 it paid at 128 rows of long-tailed lengths but not at 64 (docs/performance.md,
-            "The decode-attention kernel alone"). Plain attention models only.
+            H100 the kernel alone gained at long-tailed lengths, but a training step's decode step
+            did not shorten (docs/performance.md, "The decode-attention kernel alone" and the
+            partial-rollouts table). Plain attention models only.
         attention_order: ``longest_first`` (default): the Triton decode attention starts its
             programs row by row, longest row first, so the longest rows are not among those that
             wait for a second wave (at 128 rows not every program is resident at once); ``rows``:
